@@ -1,0 +1,22 @@
+"""Architecture adapters, one per positional family. Detection is by structure, not class name."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import PatchError
+from .base import Adapter
+from .rotary import RotaryAdapter
+
+ADAPTERS: list[Adapter] = [RotaryAdapter()]
+
+
+def find_adapter(model: nn.Module) -> Adapter:
+    for adapter in ADAPTERS:
+        if adapter.detect(model):
+            return adapter
+    families = ", ".join(a.title for a in ADAPTERS)
+    raise PatchError(
+        f"{type(model).__name__} has no positional surface ctxext knows (supported families: {families}); "
+        "see `ctxext methods`"
+    )

@@ -1,0 +1,54 @@
+"""What an architecture adapter provides. Adapters know where positional logic lives in one family."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from ..spec import PatchSpec
+
+Restore = Callable[[], None]
+
+
+class Adapter:
+    #: Short family key used in specs and the method table.
+    family: str = ""
+    #: Column title in the method table.
+    title: str = ""
+    #: Config attribute that advertises the context length (read by generate and lm-eval).
+    length_attr: str | None = None
+    #: method -> what it does on this family (the table cell).
+    methods: dict[str, str] = {}
+    #: method -> why it does not apply (the table cell and the error message).
+    unsupported: dict[str, str] = {}
+
+    def detect(self, model: nn.Module) -> bool:
+        raise NotImplementedError
+
+    def support(self, method: str) -> str:
+        if method in self.methods:
+            return self.methods[method]
+        return "no: " + self.unsupported.get(method, "not implemented for this family")
+
+    def supports(self, method: str) -> bool:
+        return method in self.methods
+
+    def original_length(self, model: nn.Module) -> int | None:
+        return getattr(model.config, self.length_attr, None) if self.length_attr else None
+
+    def check(self, model: nn.Module, spec: PatchSpec) -> None:
+        """Raise PatchError if ``spec`` cannot be applied; must not modify the model."""
+
+    def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
+        """Apply ``spec`` and return a function that undoes it exactly.
+
+        If applying fails midway, the adapter undoes what it did before re-raising.
+        """
+        raise NotImplementedError
+
+
+def run_all(undo: list[Restore]) -> None:
+    """Run undo steps in reverse order."""
+    for step in reversed(undo):
+        step()

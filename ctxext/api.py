@@ -1,0 +1,159 @@
+"""Public patching API: patch, unpatch, patched, describe, available_methods."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from .adapters import ADAPTERS, find_adapter
+from .adapters.base import Restore
+from .adapters.rotary import dynamic_hooks
+from .errors import PatchError
+from .registry import METHODS, resolve_method, validate_factor, validate_options
+from .spec import CONFIG_KEY, PatchSpec
+
+# Attribute on the model holding the live patch (spec + how to undo it). Not saved; the spec is, in config.
+_ACTIVE = "_ctxext_active"
+
+
+@dataclass
+class _ActivePatch:
+    spec: PatchSpec
+    restore: Restore
+    config_before: dict[str, Any]
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a peft wrapper, or the model itself."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def build_spec(model: nn.Module, method: str, factor: Any = None, **options: Any) -> tuple[PatchSpec, Any]:
+    """Validate a patch request against a model without touching it; returns the spec and the adapter."""
+    info = resolve_method(method)
+    adapter = find_adapter(model)
+    if not adapter.supports(info.name):
+        fits = [m for m in METHODS if adapter.supports(m)]
+        raise PatchError(
+            f"method {info.name!r} does not fit {type(model).__name__} ({adapter.title}): "
+            f"{adapter.support(info.name)[4:]}. Methods that do: {', '.join(fits)}"
+        )
+    factor = validate_factor(info, factor)
+    resolved = validate_options(info, options)
+    original = adapter.original_length(model)
+    patched = original
+    if original is not None and factor is not None:
+        patched = int(round(original * factor))
+    spec = PatchSpec(info.name, factor, resolved, adapter.family, original, patched)
+    adapter.check(model, spec)
+    return spec, adapter
+
+
+def patch(model: nn.Module, method: str, factor: float | None = None, *, replace: bool = False, **options) -> nn.Module:
+    """Patch ``model`` in place so it reads ``factor`` times longer inputs; returns the model.
+
+    ``method`` is one of ``available_methods()``; ``options`` are the method's options (see ``ctxext methods``).
+    The spec is recorded in ``model.config.ctxext`` and the advertised context length becomes
+    ``factor * original``. Patching a patched model raises unless ``replace=True``.
+    """
+    model = _base_model(model)
+    if getattr(model, _ACTIVE, None) is not None:
+        if not replace:
+            active = getattr(model, _ACTIVE).spec
+            raise PatchError(
+                f"model is already patched ({active.method}, factor {active.factor}); "
+                "call ctxext.unpatch(model) first or pass replace=True"
+            )
+        spec, adapter = _spec_for_replace(model, method, factor, options)
+        unpatch(model)
+    else:
+        spec, adapter = build_spec(model, method, factor, **options)
+
+    config = model.config
+    config_before = {adapter.length_attr: getattr(config, adapter.length_attr, None)} if adapter.length_attr else {}
+    restore = adapter.apply(model, spec)
+    if adapter.length_attr and spec.patched_length is not None:
+        setattr(config, adapter.length_attr, spec.patched_length)
+    setattr(config, CONFIG_KEY, spec.to_dict())
+    setattr(model, _ACTIVE, _ActivePatch(spec, restore, config_before))
+    return model
+
+
+def _spec_for_replace(model, method, factor, options):
+    """Validate a replacement against the unpatched model, without unpatching yet (nothing half-done on error)."""
+    active: _ActivePatch = getattr(model, _ACTIVE)
+    config = model.config
+    saved = {k: getattr(config, k) for k in active.config_before}
+    try:
+        for key, value in active.config_before.items():
+            setattr(config, key, value)
+        return build_spec(model, method, factor, **options)
+    finally:
+        for key, value in saved.items():
+            setattr(config, key, value)
+
+
+def unpatch(model: nn.Module) -> nn.Module:
+    """Undo ``patch``: original frequencies/tables/attention and config values, bit-exact."""
+    model = _base_model(model)
+    active: _ActivePatch | None = getattr(model, _ACTIVE, None)
+    if active is None:
+        raise PatchError("model is not patched by ctxext")
+    active.restore()
+    for key, value in active.config_before.items():
+        setattr(model.config, key, value)
+    if hasattr(model.config, CONFIG_KEY):
+        delattr(model.config, CONFIG_KEY)
+    delattr(model, _ACTIVE)
+    return model
+
+
+@contextlib.contextmanager
+def patched(model: nn.Module, method: str, factor: float | None = None, **options):
+    """Context manager: ``with ctxext.patched(model, "yarn", 4): ...`` patches, then unpatches on exit."""
+    patch(model, method, factor, **options)
+    try:
+        yield model
+    finally:
+        unpatch(model)
+
+
+def describe(model: nn.Module) -> dict[str, Any] | None:
+    """The active patch spec as a dict, or None if the model is not patched."""
+    active = getattr(_base_model(model), _ACTIVE, None)
+    return copy.deepcopy(active.spec.to_dict()) if active is not None else None
+
+
+def available_methods(model: nn.Module | None = None) -> dict[str, list[str]]:
+    """Method name -> families it applies to; with a model, only the methods that fit it."""
+    adapters = ADAPTERS if model is None else [find_adapter(_base_model(model))]
+    table = {}
+    for name in METHODS:
+        families = [a.family for a in adapters if a.supports(name)]
+        if families:
+            table[name] = families
+    return table
+
+
+@contextlib.contextmanager
+def dynamic_length(model: nn.Module, length: int):
+    """Fix the dynamic-NTK scale for sequences decoded manually with a KV cache to ``length`` tokens.
+
+    ``generate`` does this itself (prompt + max_new_tokens). Without it, a cached decode keeps the scale
+    fixed at its prefill, which differs from a full forward pass over the final, longer sequence.
+    """
+    hooks = dynamic_hooks(_base_model(model))
+    if not hooks:
+        raise PatchError("dynamic_length needs a model patched with method 'dynamic-ntk'")
+    for hook in hooks:
+        hook.length_hint = int(length)
+    try:
+        yield model
+    finally:
+        for hook in hooks:
+            hook.length_hint = None

@@ -1,0 +1,1 @@
+"""CLI subcommands, one module each (see ``ctxext.cli.COMMAND_MODULES``)."""

@@ -1,0 +1,1 @@
+"""Positional methods as pure functions of the original values and the method's options."""

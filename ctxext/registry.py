@@ -1,0 +1,167 @@
+"""The method registry: names, aliases, options, and which architecture family supports which method.
+
+The method x family table is data: adapters declare the methods they implement, and ``method_table()``
+derives the table that ``ctxext methods`` prints and the README shows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import PatchError
+
+
+@dataclass(frozen=True)
+class Option:
+    default: Any
+    kind: type  # float, int or bool
+    help: str = ""
+    optional: bool = False  # default None is allowed
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    summary: str
+    needs_factor: bool = True
+    aliases: tuple[str, ...] = ()
+    options: dict[str, Option] = field(default_factory=dict)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in [
+        Method("pi", "position interpolation: positions divided by the factor", aliases=("linear",)),
+        Method("ntk", "static NTK-aware scaling: rope base * factor^(d/(d-2))"),
+        Method(
+            "dynamic-ntk",
+            "NTK scaling that grows with the sequence length past the original length",
+            aliases=("dynamic",),
+        ),
+        Method(
+            "yarn",
+            "YaRN: NTK-by-parts interpolation with attention temperature",
+            options={
+                "beta_fast": Option(32.0, float, "rotations above which a dimension is kept"),
+                "beta_slow": Option(1.0, float, "rotations below which a dimension is interpolated"),
+                "attention_factor": Option(None, float, "mscale; default 0.1*ln(factor)+1", optional=True),
+                "mscale": Option(None, float, "DeepSeek-style mscale numerator", optional=True),
+                "mscale_all_dim": Option(None, float, "DeepSeek-style mscale denominator", optional=True),
+                "truncate": Option(True, bool, "round the ramp bounds to whole dimensions"),
+            },
+        ),
+        Method(
+            "llama3",
+            "Llama 3.1 frequency-dependent interpolation",
+            options={
+                "low_freq_factor": Option(1.0, float, "wavelengths above L0/low are interpolated"),
+                "high_freq_factor": Option(4.0, float, "wavelengths below L0/high are kept"),
+            },
+        ),
+        Method("extrapolate", "advertise factor x the length, positions unchanged"),
+    ]
+}
+
+ALIASES: dict[str, str] = {alias: m.name for m in METHODS.values() for alias in m.aliases}
+
+
+def resolve_method(name: str) -> Method:
+    if not isinstance(name, str):
+        raise PatchError(f"method must be a string, got {type(name).__name__}; choose one of {method_names()}")
+    key = name.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in METHODS:
+        raise PatchError(f"unknown method {name!r}; choose one of {method_names()}")
+    return METHODS[key]
+
+
+def method_names() -> str:
+    names = []
+    for m in METHODS.values():
+        names.append(m.name + (f" (alias {', '.join(m.aliases)})" if m.aliases else ""))
+    return ", ".join(names)
+
+
+def validate_factor(method: Method, factor: Any) -> float | None:
+    if not method.needs_factor:
+        if factor is None:
+            return None
+    elif factor is None:
+        raise PatchError(f"method {method.name!r} needs a factor (a number >= 1, e.g. factor=4)")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+        try:
+            factor = float(factor)  # numpy / torch scalars, numeric strings from the CLI
+        except (TypeError, ValueError):
+            raise PatchError(f"factor must be a number >= 1, got {factor!r}") from None
+    factor = float(factor)
+    if not math.isfinite(factor):
+        raise PatchError(f"factor must be a finite number >= 1, got {factor}")
+    if factor < 1:
+        raise PatchError(
+            f"factor must be >= 1 for method {method.name!r} (it multiplies the context length), got {factor:g}"
+        )
+    return factor
+
+
+def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
+    """Return the method's options with defaults filled in; unknown or ill-typed options raise."""
+    unknown = sorted(set(options) - set(method.options))
+    if unknown:
+        accepted = ", ".join(method.options) if method.options else "none"
+        raise PatchError(f"unknown option(s) {', '.join(unknown)} for method {method.name!r}; accepted: {accepted}")
+    resolved = {}
+    for key, opt in method.options.items():
+        value = options.get(key, opt.default)
+        if value is None:
+            if not opt.optional:
+                raise PatchError(f"option {key!r} of method {method.name!r} cannot be None")
+        else:
+            value = _coerce(method.name, key, value, opt.kind)
+        resolved[key] = value
+    return resolved
+
+
+def _coerce(method: str, key: str, value: Any, kind: type) -> Any:
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise PatchError(f"option {key!r} of method {method!r} must be true or false, got {value!r}")
+    try:
+        number = kind(value)
+    except (TypeError, ValueError):
+        raise PatchError(f"option {key!r} of method {method!r} must be a number, got {value!r}") from None
+    if isinstance(number, float) and not math.isfinite(number):
+        raise PatchError(f"option {key!r} of method {method!r} must be finite, got {value!r}")
+    return number
+
+
+def method_table(adapters=None) -> list[dict[str, str]]:
+    """One row per method: for each family, 'yes' or why not."""
+    from .adapters import ADAPTERS
+
+    adapters = ADAPTERS if adapters is None else adapters
+    rows = []
+    for m in METHODS.values():
+        row = {"method": m.name, "summary": m.summary}
+        for adapter in adapters:
+            row[adapter.family] = adapter.support(m.name)
+        rows.append(row)
+    return rows
+
+
+def format_method_table(markdown: bool = False) -> str:
+    from .adapters import ADAPTERS
+
+    header = ["method"] + [a.title for a in ADAPTERS]
+    body = [[r["method"]] + [r[a.family] for a in ADAPTERS] for r in method_table()]
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(f"`{c}`" if i == 0 else c for i, c in enumerate(row)) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in body])
