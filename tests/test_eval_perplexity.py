@@ -1,0 +1,110 @@
+"""Perplexity protocols on tiny models: coverage, context, agreement with a brute-force reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ctxext.evaluation.perplexity import last_quarter_start, perplexity, score_documents
+from ctxext.evaluation.windows import plan_windows
+
+from conftest import tiny_llama
+
+
+def _targets(windows):
+    out = []
+    for w in windows:
+        assert w.end - w.begin == w.length
+        out.extend((t, t - w.begin) for t in range(w.first_target, w.end))
+    return out
+
+
+@pytest.mark.parametrize("n", [32, 33, 47, 100, 257])
+@pytest.mark.parametrize("stride", [1, 5, 16, 31])
+def test_sliding_scores_each_token_once_with_enough_context(n, stride):
+    L = 32
+    windows = plan_windows(n, L, "sliding", stride)
+    targets = _targets(windows)
+    positions = [t for t, _ in targets]
+    assert positions == list(range(L - stride, n))  # each once, in order, none skipped after the first
+    assert all(ctx >= L - stride for _, ctx in targets)  # context = in-window position
+    assert all(0 <= w.begin and w.end <= n for w in windows)
+
+
+@pytest.mark.parametrize("n", [32, 33, 62, 63, 64, 100])
+def test_chunks_score_every_token(n):
+    L = 32
+    windows = plan_windows(n, L, "chunks")
+    assert [t for t, _ in _targets(windows)] == list(range(1, n))
+    assert all(w.end <= n for w in windows)
+
+
+def test_plan_edge_cases():
+    assert plan_windows(31, 32, "sliding", 8) == []
+    assert len(plan_windows(1000, 32, "chunks", max_windows=3)) == 3
+    with pytest.raises(ValueError, match="stride"):
+        plan_windows(100, 32, "sliding", 32)
+    with pytest.raises(ValueError, match="protocol"):
+        plan_windows(100, 32, "bogus")
+
+
+def _brute_force(model, ids, windows):
+    """Full forward per window, labels masked to the scored targets; returns per-token NLLs with position."""
+    nlls = []
+    for w in windows:
+        logits = model(ids[None, w.begin : w.end]).logits[0].float()
+        for t in range(w.first_target, w.end):
+            nll = F.cross_entropy(logits[t - w.begin - 1][None], ids[t][None]).item()
+            nlls.append((nll, t - w.begin))
+    return nlls
+
+
+@pytest.mark.parametrize("protocol,stride", [("chunks", None), ("sliding", 8), ("sliding", 24)])
+def test_perplexity_matches_brute_force(protocol, stride):
+    model = tiny_llama()
+    torch.manual_seed(1)
+    ids = torch.randint(0, 128, (150,))
+    L = 32
+    res = perplexity(model, ids, L, protocol=protocol, stride=stride, progress=False)
+    nlls = _brute_force(model, ids, plan_windows(150, L, protocol, stride))
+    assert res["tokens"] == len(nlls)
+    assert res["nll_sum"] == pytest.approx(sum(n for n, _ in nlls), rel=1e-5)
+    assert res["ppl"] == pytest.approx(math.exp(sum(n for n, _ in nlls) / len(nlls)), rel=1e-5)
+    q = [n for n, pos in nlls if pos >= last_quarter_start(L)]
+    assert res["tokens_last_quarter"] == len(q)
+    assert res["ppl_last_quarter"] == pytest.approx(math.exp(sum(q) / len(q)), rel=1e-5)
+    assert res["windows"] == len(plan_windows(150, L, protocol, stride))
+
+
+def test_one_chunk_equals_transformers_loss():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (40,), generator=torch.Generator().manual_seed(3))
+    res = perplexity(model, ids, 40, protocol="chunks", progress=False)
+    loss = model(ids[None], labels=ids[None]).loss.item()
+    assert res["ppl"] == pytest.approx(math.exp(loss), rel=1e-5)
+    assert res["tokens"] == 39 and res["windows"] == 1
+
+
+def test_batching_does_not_change_results():
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (200,), generator=torch.Generator().manual_seed(4))
+    one = perplexity(model, ids, 32, protocol="sliding", stride=12, progress=False)
+    three = perplexity(model, ids, 32, protocol="sliding", stride=12, batch_size=3, progress=False)
+    assert three["ppl"] == pytest.approx(one["ppl"], rel=1e-5)
+    assert three["tokens"] == one["tokens"]
+
+
+def test_short_documents_are_skipped_and_counted():
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(5)
+    docs = [torch.randint(0, 128, (n,), generator=g) for n in (10, 80, 31, 64)]
+    res = score_documents(model, docs, 32, protocol="chunks", progress=False)
+    assert res["documents_skipped"] == 2 and res["documents_scored"] == 2
+    assert res["tokens"] == 79 + 63
+    capped = score_documents(model, docs, 32, protocol="chunks", max_windows=2, progress=False)
+    assert capped["windows"] == 2 and capped["documents_unused"] == 1
+    empty = perplexity(model, docs[0], 32, progress=False)
+    assert empty["ppl"] is None and empty["windows"] == 0 and empty["documents_skipped"] == 1
