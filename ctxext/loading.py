@@ -34,9 +34,6 @@ def make_saveable(model: nn.Module) -> None:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             delattr(model.config, "quantization_config")
-    for attr in ("is_quantized",):
-        if getattr(model, attr, False) and quantizer is not None and model.hf_quantizer is None:
-            setattr(model, attr, False)
 
 
 def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: Any) -> nn.Module:

@@ -90,7 +90,9 @@ def validate_factor(method: Method, factor: Any) -> float | None:
             return None
     elif factor is None:
         raise PatchError(f"method {method.name!r} needs a factor (a number >= 1, e.g. factor=4)")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)):
+    if isinstance(factor, bool):
+        raise PatchError(f"factor must be a number >= 1, got {factor!r}")
+    if not isinstance(factor, (int, float)):
         try:
             factor = float(factor)  # numpy / torch scalars, numeric strings from the CLI
         except (TypeError, ValueError):

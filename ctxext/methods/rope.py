@@ -51,8 +51,12 @@ def ntk_scale(r: RopeInputs, factor: float) -> tuple[torch.Tensor, float]:
 def dynamic_ntk_scale(r: RopeInputs, factor: float, seq_len: int) -> tuple[torch.Tensor, float]:
     """Dynamic NTK (as transformers' ``dynamic`` type): NTK with the scale growing with the sequence length.
 
-    scale = factor * L / L0 - (factor - 1) for L > L0, else 1 (the original frequencies).
+    scale = factor * L / L0 - (factor - 1) for L > L0, else 1 (the original frequencies). The formula would still
+    scale at factor 1 (scale = L / L0); ctxext defines factor 1 as "no extension" for every method, so it is the
+    identity here too.
     """
+    if factor == 1:
+        return r.inv_freq.clone(), 1.0
     scale = max(1.0, factor * max(seq_len, r.original_length) / r.original_length - (factor - 1))
     return ntk_scale(r, scale)[0], 1.0
 
