@@ -12,6 +12,7 @@ from .errors import PatchError
 #: Subcommand modules, in the order `ctxext --help` lists them.
 COMMAND_MODULES = [
     "ctxext.commands.methods",
+    "ctxext.commands.finetune",
 ]
 
 

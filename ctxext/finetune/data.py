@@ -1,0 +1,169 @@
+"""Training data: documents read from files, folders, JSONL or a ``datasets`` name, tokenized, and packed
+into sequences of the target length. Deterministic: the same recipe gives the same sequences in the same
+order on every process, and a global step number alone says which sequences come next (so a resumed or
+multi-process run sees exactly the batches of an uninterrupted single-process run)."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from .config import DataConfig, RecipeError
+
+TEXT_SUFFIXES = {".txt", ".md", ".text", ".rst"}
+JSONL_SUFFIXES = {".jsonl", ".ndjson"}
+
+
+def _expand(paths: list[Path], exclude: list[str]) -> list[Path]:
+    files: list[Path] = []
+    for p in paths:
+        if p.is_dir():
+            found = sorted(
+                f for f in p.rglob("*")
+                if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES | JSONL_SUFFIXES and not f.name.startswith(".")
+            )
+            if not found:
+                raise RecipeError(f"data.files: folder {str(p)!r} holds no .txt or .jsonl files")
+            files.extend(found)
+        else:
+            files.append(p)
+    kept = [f for f in files if not any(fnmatch.fnmatch(f.name, pat) for pat in exclude)]
+    if not kept:
+        raise RecipeError(f"data.files: every file is excluded by data.exclude {exclude}")
+    return kept
+
+
+def iter_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
+    """Documents in a fixed order: a text file is one document; a JSONL line is one document."""
+    for f in _expand(paths, cfg.exclude):
+        if f.suffix.lower() in JSONL_SUFFIXES:
+            with f.open(encoding="utf-8") as fh:
+                for lineno, line in enumerate(fh, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise RecipeError(f"data.files: {f}:{lineno}: not JSON ({exc.msg})") from None
+                    if not isinstance(row, dict) or cfg.text_field not in row:
+                        raise RecipeError(f"data.files: {f}:{lineno}: no {cfg.text_field!r} field "
+                                          "(set data.text_field)")
+                    yield str(row[cfg.text_field])
+        else:
+            yield f.read_text(encoding="utf-8", errors="replace")
+    if cfg.dataset:
+        yield from _dataset_documents(cfg)
+
+
+def _dataset_documents(cfg: DataConfig) -> Iterator[str]:
+    try:
+        import datasets
+    except ImportError as exc:  # pragma: no cover - declared extra
+        raise RecipeError("data.dataset needs the datasets package: pip install 'ctxext[finetune]'") from exc
+    try:
+        ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split)
+    except Exception as exc:  # noqa: BLE001 - datasets raises many kinds
+        raise RecipeError(f"data.dataset {cfg.dataset!r}: cannot load ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if cfg.text_field not in ds.column_names:
+        raise RecipeError(f"data.dataset {cfg.dataset!r} has no column {cfg.text_field!r} "
+                          f"(columns: {', '.join(ds.column_names)}; set data.text_field)")
+    for row in ds:
+        yield str(row[cfg.text_field])
+
+
+def tokenize_documents(tokenizer, docs: Iterator[str], add_eos: bool) -> torch.Tensor:
+    """All documents as one token stream (each followed by EOS when ``add_eos`` and the tokenizer has one)."""
+    eos = tokenizer.eos_token_id if add_eos else None
+    pieces: list[torch.Tensor] = []
+    for doc in docs:
+        if not doc:
+            continue
+        ids = tokenizer(doc, add_special_tokens=False)["input_ids"]
+        if eos is not None:
+            ids = list(ids) + [eos]
+        pieces.append(torch.tensor(ids, dtype=torch.long))
+    if not pieces:
+        raise RecipeError("data: the documents are empty")
+    return torch.cat(pieces)
+
+
+class PackedData:
+    """Token stream cut into ``n`` sequences of ``seq_length``; sample ``i`` of the global stream is
+    sequence ``order(epoch)[i % n]`` with ``epoch = i // n``, each epoch a fresh seeded permutation."""
+
+    def __init__(self, sequences: torch.Tensor, seed: int):
+        self.sequences = sequences
+        self.seed = seed
+        self._orders: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return self.sequences.shape[0]
+
+    @property
+    def seq_length(self) -> int:
+        return self.sequences.shape[1]
+
+    def order(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._orders:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._orders[epoch] = torch.randperm(len(self), generator=g)
+            if len(self._orders) > 4:
+                self._orders.pop(min(self._orders))
+        return self._orders[epoch]
+
+    def samples(self, start: int, count: int) -> torch.Tensor:
+        """Global samples ``start .. start+count-1`` as a (count, seq_length) tensor."""
+        n = len(self)
+        rows = [self.sequences[self.order(i // n)[i % n]] for i in range(start, start + count)]
+        return torch.stack(rows)
+
+    def micro_batches(self, step: int, batch_size: int, micro: int, rank: int, world: int) -> list[torch.Tensor]:
+        """This process's micro-batches for optimizer step ``step`` (0-based): the global batch is samples
+        ``step*batch_size ..``, split evenly over processes, then into micro-batches."""
+        per_rank = batch_size // world
+        start = step * batch_size + rank * per_rank
+        mine = self.samples(start, per_rank)
+        return list(mine.split(micro))
+
+
+def build_packed_data(recipe, tokenizer, seq_length: int) -> PackedData:
+    cfg = recipe.data
+    paths = [recipe.resolve_path(f) for f in cfg.files]
+    stream = tokenize_documents(tokenizer, iter_documents(paths, cfg), cfg.add_eos)
+    n = stream.numel() // seq_length
+    if n < 1:
+        raise RecipeError(
+            f"data: {stream.numel()} tokens, fewer than one sequence of data.seq_length={seq_length}; "
+            "add data or shorten the sequences"
+        )
+    sequences = stream[: n * seq_length].view(n, seq_length)
+    if cfg.max_sequences is not None and cfg.max_sequences < n:
+        g = torch.Generator().manual_seed(recipe.train.seed)
+        keep = torch.randperm(n, generator=g)[: cfg.max_sequences].sort().values
+        sequences = sequences[keep]
+    return PackedData(sequences.contiguous(), recipe.train.seed)
+
+
+def read_eval_tokens(recipe, tokenizer) -> tuple[torch.Tensor, str]:
+    """The evaluation text as one token stream, and a label for it."""
+    data = recipe.eval.data
+    data = [data] if isinstance(data, str) else list(data)
+    texts, labels = [], []
+    for item in data:
+        if item == "reference":
+            from ..reference import reference_text
+
+            texts.append(reference_text())
+            labels.append("reference (held-out emma)")
+        else:
+            paths = _expand([recipe.resolve_path(item)], [])
+            for p in paths:
+                texts.append(p.read_text(encoding="utf-8", errors="replace"))
+            labels.append(item)
+    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long), ", ".join(labels)

@@ -1,0 +1,200 @@
+"""Model components of a recipe: load (hub id, local dir, GGUF, reference checkpoint), check the patch and
+the LoRA targets against the architecture, patch, wrap with peft LoRA."""
+
+from __future__ import annotations
+
+import fnmatch
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import PatchError
+from .config import LoraConfig, ModelConfig, Recipe, RecipeError
+
+REFERENCE_PREFIX = "reference:"
+
+
+def _dtype(name: str):
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+def reference_dir(name: str) -> Path:
+    """Folder of a shipped reference checkpoint (``reference:llama`` -> ctxext/assets/reference/llama)."""
+    from .. import reference
+
+    names = getattr(reference, "REFERENCE_NAMES", ())
+    if names and name not in names:
+        raise RecipeError(f"model.name: unknown reference checkpoint {name!r}; choose one of "
+                          + ", ".join(f"{REFERENCE_PREFIX}{n}" for n in names))
+    finder = getattr(reference, "reference_path", None) or getattr(reference, "reference_dir", None)
+    path = Path(finder(name)) if callable(finder) else Path(reference.__file__).parent / "assets" / "reference" / name
+    if not (path / "config.json").exists():
+        raise RecipeError(f"model.name: reference checkpoint {name!r} not found at {path}")
+    return path
+
+
+def model_source(cfg: ModelConfig) -> str:
+    """Where ``from_pretrained`` reads the model: a reference name becomes its folder."""
+    if cfg.name.startswith(REFERENCE_PREFIX):
+        return str(reference_dir(cfg.name[len(REFERENCE_PREFIX):]))
+    return cfg.name
+
+
+def _load_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    kw: dict[str, Any] = {}
+    if cfg.gguf_file:
+        kw["gguf_file"] = cfg.gguf_file
+    if cfg.revision:
+        kw["revision"] = cfg.revision
+    if cfg.trust_remote_code:
+        kw["trust_remote_code"] = True
+    return kw
+
+
+def load_tokenizer(cfg: ModelConfig):
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer or model_source(cfg)
+    kw = _load_kwargs(cfg) if not cfg.tokenizer else {}
+    try:
+        return AutoTokenizer.from_pretrained(source, **kw)
+    except OSError as exc:
+        raise RecipeError(f"cannot load tokenizer {source!r}: {str(exc).splitlines()[0]}") from None
+
+
+def load_model(cfg: ModelConfig) -> nn.Module:
+    """The base model (float weights, a saved ctxext patch re-applied), in training-ready form."""
+    from ..loading import from_pretrained
+
+    kw = _load_kwargs(cfg)
+    kw["dtype"] = _dtype(cfg.dtype)
+    if cfg.attn_implementation:
+        kw["attn_implementation"] = cfg.attn_implementation
+    return from_pretrained(model_source(cfg), **kw)
+
+
+def skeleton(cfg: ModelConfig) -> nn.Module | None:
+    """The architecture without weights (parameters on the meta device, buffers real), for checks before the weights load; None if the
+    config cannot be read this way (the checks then run on the loaded model)."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_source(cfg), **_load_kwargs(cfg))
+        if cfg.attn_implementation:
+            config._attn_implementation = cfg.attn_implementation
+        with init_empty_weights(include_buffers=False):  # weights on meta; buffers (inv_freq) real
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+    except RecipeError:
+        raise
+    except Exception:  # noqa: BLE001 - any failure here only postpones the checks
+        return None
+    from ..loading import pop_saved_spec
+
+    pop_saved_spec(model)
+    return model
+
+
+def check_patch(recipe: Recipe, model: nn.Module) -> dict[str, Any] | None:
+    """Validate the recipe's patch against the model without changing it; returns the spec it would record."""
+    p = recipe.patch
+    if p.method is None:
+        return None
+    from ..api import build_spec
+
+    try:
+        spec, _ = build_spec(_plain(model), p.method, p.factor, **p.options)
+    except PatchError as exc:
+        raise RecipeError(f"patch does not fit model {recipe.model.name!r}: {exc}") from None
+    except (NotImplementedError, RuntimeError):
+        if not _on_meta(model):
+            raise
+        return None  # an adapter that reads weight values: checked again once the weights are loaded
+    return spec.to_dict()
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _plain(model: nn.Module) -> nn.Module:
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def check_lora(recipe: Recipe, model: nn.Module) -> None:
+    """LoRA target and trainable modules must name modules of this model."""
+    lo = recipe.lora
+    names = [n for n, _ in model.named_modules() if n]
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_linear(m)})
+    targets = lo.target_modules
+    if isinstance(targets, str) and targets != "all-linear":
+        targets = [targets]
+    if isinstance(targets, list):
+        for t in targets:
+            if not any(n == t or n.endswith("." + t) or fnmatch.fnmatch(n, t) for n in names):
+                raise RecipeError(f"lora.target_modules: no module named {t!r} in {type(model).__name__}; "
+                                  f"its linear layers are: {', '.join(linear)}")
+    elif targets is None:
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+        if getattr(model.config, "model_type", None) not in defaults:
+            raise RecipeError(f"lora.target_modules: peft has no default for model type "
+                              f"{getattr(model.config, 'model_type', '?')!r}; name them "
+                              f"(its linear layers are: {', '.join(linear)}) or use all-linear")
+    for t in lo.trainable:
+        if not any(n == t or n.endswith("." + t) or n.endswith(t) for n in names):
+            leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+            raise RecipeError(f"lora.trainable: no module named {t!r} in {type(model).__name__}; "
+                              f"module names include: {', '.join(leaves[:40])}")
+
+
+def _is_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+
+
+def apply_patch(recipe: Recipe, model: nn.Module) -> dict[str, Any] | None:
+    """Patch the model as the recipe says (replacing a patch saved with the checkpoint); returns the spec."""
+    from ..api import describe, patch
+
+    p = recipe.patch
+    if p.method is None:
+        return describe(model)
+    try:
+        patch(model, p.method, p.factor, replace=describe(model) is not None, **p.options)
+    except PatchError as exc:
+        raise RecipeError(f"patch does not fit model {recipe.model.name!r}: {exc}") from None
+    return describe(model)
+
+
+def add_lora(recipe: Recipe, model: nn.Module, source: str) -> nn.Module:
+    """Wrap the (patched) model with a peft LoRA adapter; ``trainable`` modules become ``modules_to_save``."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    lo: LoraConfig = recipe.lora
+    config = PeftLoraConfig(
+        r=lo.r,
+        lora_alpha=lo.alpha,
+        lora_dropout=lo.dropout,
+        target_modules=lo.target_modules,
+        modules_to_save=list(lo.trainable) or None,
+        bias=lo.bias,
+        use_rslora=lo.use_rslora,
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=source,
+    )
+    if getattr(model.config, "model_type", None) == "gpt2":
+        config.fan_in_fan_out = True  # GPT-2's Conv1D stores weights transposed
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:
+        raise RecipeError(f"lora: {exc}") from None
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return trainable, total

@@ -1,0 +1,379 @@
+"""The fine-tune recipe script: load -> patch -> evaluate -> LoRA -> train (accelerate) -> save -> evaluate.
+
+One function, :func:`run`, over the plain components in ``config``, ``model``, ``data`` and
+``checkpoint``. It runs the same under ``python -m ctxext finetune``, ``accelerate launch -m ctxext
+finetune`` and ``torchrun --nproc_per_node N -m ctxext finetune``: the global batch is fixed by the recipe,
+and each optimizer step consumes the same sequences whatever the number of processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checkpoint as ckpt
+from .config import Recipe, RecipeError
+from .data import build_packed_data, read_eval_tokens
+from .model import (
+    add_lora,
+    apply_patch,
+    check_lora,
+    check_patch,
+    count_parameters,
+    load_model,
+    load_tokenizer,
+    model_source,
+    skeleton,
+)
+
+PATCH_FILE = "ctxext_patch.json"
+
+
+class RunLog:
+    """Append-only JSON lines (main process only)."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path = path
+        self.enabled = enabled
+
+    def write(self, **record: Any) -> None:
+        if not self.enabled:
+            return
+        record.setdefault("time", round(time.time(), 3))
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop step records past ``step`` (left by an interrupted run that is being resumed)."""
+        if not self.enabled or not self.path.exists():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if rec.get("event") == "step" and rec.get("step", 0) > step:
+                continue
+            keep.append(line)
+        self.path.write_text("".join(line + "\n" for line in keep))
+
+
+def check(recipe: Recipe) -> dict[str, Any]:
+    """Every check that needs no weights: the recipe, the patch against the architecture, the LoRA targets.
+    Returns what the run would record (the patch spec and the training length)."""
+    model = skeleton(recipe.model)
+    if model is None:
+        return {"checked_architecture": False}
+    spec = check_patch(recipe, model)
+    check_lora(recipe, model)
+    if recipe.patch.method is not None and spec is None:
+        return {"checked_architecture": False}
+    return {"checked_architecture": True, "patch": spec, "seq_length": _seq_length(recipe, spec, model)}
+
+
+def _seq_length(recipe: Recipe, spec: dict | None, model) -> int:
+    if recipe.data.seq_length:
+        return recipe.data.seq_length
+    if spec and spec.get("patched_length"):
+        return int(spec["patched_length"])
+    length = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if length:
+        return int(length)
+    raise RecipeError("data.seq_length is required: the patch gives no target length for this model")
+
+
+def _accumulation(recipe: Recipe, world: int) -> int:
+    t = recipe.train
+    if t.batch_size % world:
+        raise RecipeError(f"train.batch_size ({t.batch_size}) must be a multiple of the number of processes ({world})")
+    per_rank = t.batch_size // world
+    if per_rank % t.micro_batch_size:
+        raise RecipeError(
+            f"train.batch_size / processes = {per_rank} must be a multiple of train.micro_batch_size "
+            f"({t.micro_batch_size})"
+        )
+    return per_rank // t.micro_batch_size
+
+
+def _evaluate(recipe: Recipe, model, tokens: torch.Tensor, lengths: list[int], state, progress: bool) -> dict:
+    from ..evaluation.perplexity import perplexity
+
+    e = recipe.eval
+    was_training = model.training
+    model.eval()
+    results = {}
+    try:
+        for length in lengths:
+            r = perplexity(
+                model, tokens, length, protocol=e.protocol, stride=e.stride, max_windows=e.max_windows,
+                batch_size=e.batch_size, progress=progress, state=state,
+            )
+            results[str(length)] = {k: r[k] for k in ("ppl", "ppl_last_quarter", "tokens", "windows", "nll_sum")}
+    finally:
+        model.train(was_training)
+    return results
+
+
+def run(
+    recipe: Recipe,
+    *,
+    resume: bool = False,
+    stop_after: int | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Run a recipe. ``resume`` continues from the newest checkpoint in ``output.dir``; ``stop_after`` ends
+    this invocation after that many optimizer steps (with a checkpoint), as an interruption would.
+    Returns the run summary (also written to ``output.dir/results.json``)."""
+    from accelerate import Accelerator
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+    from transformers import get_scheduler
+
+    t = recipe.train
+    out = Path(recipe.output.dir)
+    # -- checks that need no weights, on every process, before anything heavy
+    checked = check(recipe)
+    # accelerate starts a multi-process (gloo) CPU run only when told cpu=True
+    acc = Accelerator(cpu=t.cpu or not _has_accelerator(), mixed_precision=t.mixed_precision)
+    main = acc.is_main_process
+    world = acc.num_processes
+    accum = _accumulation(recipe, world)
+
+    def say(msg: str) -> None:
+        if main:
+            print(f"[finetune] {msg}", file=sys.stderr, flush=True)
+
+    finished = out / "results.json"
+    if finished.exists() and not recipe.output.overwrite:
+        if resume:
+            say(f"{out} holds a finished run; nothing to resume")
+            return json.loads(finished.read_text())
+        raise RecipeError(
+            f"output.dir {str(out)!r} holds a finished run; choose another folder or --set output.overwrite=true"
+        )
+    latest = ckpt.latest(out)
+    if latest is not None and not resume and not recipe.output.overwrite:
+        raise RecipeError(
+            f"output.dir {str(out)!r} holds checkpoints of an earlier run ({latest.name}); pass --resume to continue "
+            "it, or --set output.overwrite=true to start over"
+        )
+    if resume and latest is not None:
+        ckpt.check_compatible(latest, recipe)
+    acc.wait_for_everyone()
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if recipe.output.overwrite and not resume:
+            ckpt.remove_all(out)
+            for name in ("log.jsonl", "results.json"):
+                (out / name).unlink(missing_ok=True)
+    acc.wait_for_everyone()
+    log = RunLog(out / "log.jsonl", main)
+
+    # -- model, patch, data
+    set_seed(t.seed)
+    source = model_source(recipe.model)
+    say(f"loading {recipe.model.name}" + (f" ({source})" if source != recipe.model.name else ""))
+    tokenizer = load_tokenizer(recipe.model)
+    model = load_model(recipe.model)
+    if not checked["checked_architecture"]:
+        check_patch(recipe, model)
+        check_lora(recipe, model)
+    spec = apply_patch(recipe, model)
+    seq_length = _seq_length(recipe, spec, model)
+    data = build_packed_data(recipe, tokenizer, seq_length)
+    eval_lengths = list(recipe.eval.lengths) or [seq_length]
+    eval_tokens = eval_label = None
+    if recipe.eval.enabled:
+        eval_tokens, eval_label = read_eval_tokens(recipe, tokenizer)
+    tokens_per_step = t.batch_size * seq_length
+    say(
+        f"patch: {spec['method'] + ' x' + format(spec['factor'] or 1, 'g') if spec else 'none'}; "
+        f"{len(data)} sequences of {seq_length} tokens; global batch {t.batch_size} = {world} process(es) x "
+        f"{accum} accumulation x {t.micro_batch_size} micro-batch; {t.steps} steps"
+    )
+    model.to(acc.device)
+
+    state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed": 0.0, "before": None, "losses": []}
+    resuming = resume and latest is not None
+    if resuming:
+        state.update(ckpt.read_state(latest))
+    if not resuming:
+        log.write(event="start", recipe=recipe.to_dict(), world_size=world, accumulation=accum,
+                  seq_length=seq_length, sequences=len(data), patch=spec, device=str(acc.device))
+        if main:
+            (out / "recipe.yaml").write_text(recipe.to_yaml())
+        if recipe.eval.enabled and recipe.eval.before:
+            say(f"perplexity before training on {eval_label} at {', '.join(map(str, eval_lengths))} tokens")
+            state["before"] = _evaluate(recipe, model, eval_tokens, eval_lengths, acc.state, progress)
+            log.write(event="eval", when="before", results=state["before"])
+
+    # -- LoRA, optimizer, schedule
+    if t.gradient_checkpointing:
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    set_seed(t.seed)
+    model = add_lora(recipe, model, source)
+    n_train, n_total = count_parameters(model)
+    say(f"LoRA r={recipe.lora.r}: {n_train:,} trainable of {n_total:,} parameters "
+        f"({100 * n_train / n_total:.2f}%)")
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+    # The scheduler is stepped once per optimizer step by hand: accelerate's wrapper would step it once per
+    # process, making the schedule depend on the process count.
+    scheduler = get_scheduler(t.scheduler, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.steps)
+    model, optimizer = acc.prepare(model, optimizer)
+
+    if resuming:
+        ckpt.load(latest, acc, model, optimizer, scheduler)
+        log.truncate_after(state["step"])
+        log.write(event="resume", step=state["step"], checkpoint=latest.name, world_size=world)
+        say(f"resumed from {latest} at step {state['step']}")
+
+    # -- train
+    start = state["step"]
+    bar = tqdm(total=t.steps, initial=start, desc="finetune", unit="step", disable=not (main and progress),
+               dynamic_ncols=True)
+    model.train()
+    ran = 0
+    while state["step"] < t.steps:
+        if stop_after is not None and ran >= stop_after:
+            break
+        step = state["step"]
+        tic = time.perf_counter()
+        batches = data.micro_batches(step, t.batch_size, t.micro_batch_size, acc.process_index, world)
+        total = torch.zeros((), device=acc.device, dtype=torch.float64)
+        for i, batch in enumerate(batches):
+            batch = batch.to(acc.device)
+            sync = i == len(batches) - 1
+            with acc.no_sync(model) if not sync else _null():
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                acc.backward(loss / accum)
+            total += loss.detach().double()
+        grad_norm = None
+        if t.max_grad_norm:
+            grad_norm = acc.clip_grad_norm_(params, t.max_grad_norm)
+        lr = scheduler.get_last_lr()[0]
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean_loss = acc.reduce(total / accum, reduction="mean").item()
+        seconds = time.perf_counter() - tic
+        state["step"] = step + 1
+        state["tokens"] += tokens_per_step
+        state["elapsed"] += seconds
+        state["losses"].append(mean_loss)
+        ran += 1
+        tok_s = tokens_per_step / seconds if seconds > 0 else float("nan")
+        bar.update(1)
+        bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tok_s:,.0f}")
+        if state["step"] % t.log_every == 0 or state["step"] == t.steps:
+            log.write(event="step", step=state["step"], loss=mean_loss, lr=lr,
+                      grad_norm=None if grad_norm is None else float(grad_norm), tokens=state["tokens"],
+                      tokens_per_s=tok_s, seconds=seconds)
+        if not math.isfinite(mean_loss):
+            bar.close()
+            raise RuntimeError(f"loss is {mean_loss} at step {state['step']}: lower train.lr or check the data")
+        stopping = stop_after is not None and ran >= stop_after and state["step"] < t.steps
+        if (t.save_every and state["step"] % t.save_every == 0 and state["step"] < t.steps) or stopping:
+            path = ckpt.save(out, acc, model, optimizer, scheduler, state, recipe, keep=t.keep_checkpoints)
+            log.write(event="checkpoint", step=state["step"], path=str(path))
+    bar.close()
+
+    if state["step"] < t.steps:
+        say(f"stopped after step {state['step']} of {t.steps}; continue with --resume")
+        return {"finished": False, "step": state["step"], "losses": state["losses"], "output": str(out)}
+
+    # -- save the adapter and the patch spec
+    peft_model = acc.unwrap_model(model)
+    acc.wait_for_everyone()
+    if main:
+        peft_model.save_pretrained(str(out))
+        tokenizer.save_pretrained(str(out / "tokenizer"))
+        if spec is not None:
+            (out / PATCH_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+        else:
+            (out / PATCH_FILE).unlink(missing_ok=True)
+    acc.wait_for_everyone()
+    say(f"adapter saved to {out}")
+
+    after = None
+    if recipe.eval.enabled:
+        say(f"perplexity after training on {eval_label} at {', '.join(map(str, eval_lengths))} tokens")
+        after = _evaluate(recipe, peft_model, eval_tokens, eval_lengths, acc.state, progress)
+        log.write(event="eval", when="after", results=after)
+
+    summary = {
+        "finished": True,
+        "output": str(out),
+        "model": recipe.model.name,
+        "patch": spec,
+        "seq_length": seq_length,
+        "steps": state["step"],
+        "tokens": state["tokens"],
+        "train_seconds": round(state["elapsed"], 2),
+        "world_size": world,
+        "final_loss": state["losses"][-1] if state["losses"] else None,
+        "losses": state["losses"],
+        "eval_data": eval_label,
+        "before": state["before"],
+        "after": after,
+    }
+    if recipe.output.merged:
+        merged_dir = out / "merged"
+        if main:
+            merged = peft_model.merge_and_unload()
+            merged.config.use_cache = True
+            merged.save_pretrained(str(merged_dir))
+            tokenizer.save_pretrained(str(merged_dir))
+        acc.wait_for_everyone()
+        summary["merged"] = str(merged_dir)
+        say(f"merged model saved to {merged_dir}")
+    if main:
+        (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
+        log.write(event="end", final_loss=summary["final_loss"], steps=state["step"], before=state["before"],
+                  after=after)
+        print(format_summary(summary), flush=True)
+    acc.wait_for_everyone()
+    acc.end_training()
+    return summary
+
+
+def _has_accelerator() -> bool:
+    probe = getattr(getattr(torch, "accelerator", None), "is_available", None)
+    return bool(probe()) if callable(probe) else torch.cuda.is_available()
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    patch = summary["patch"]
+    label = f"{patch['method']} x{patch['factor']:g}" if patch and patch.get("factor") else (
+        patch["method"] if patch else "no patch")
+    lines = [
+        f"fine-tuned {summary['model']} ({label} + LoRA): {summary['steps']} steps, {summary['tokens']:,} tokens, "
+        f"{summary['train_seconds']:.0f} s, final loss {summary['final_loss']:.4f}",
+        f"adapter: {summary['output']}",
+    ]
+    before, after = summary.get("before") or {}, summary.get("after") or {}
+    for length in after or before:
+        b = before.get(length, {}).get("ppl")
+        a = after.get(length, {}).get("ppl")
+        fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
+        lines.append(f"perplexity at {length} tokens on {summary['eval_data']}: before {fmt(b)} -> after {fmt(a)}")
+    return "\n".join(lines)
