@@ -12,6 +12,8 @@ from .errors import PatchError
 #: Subcommand modules, in the order `ctxext --help` lists them.
 COMMAND_MODULES = [
     "ctxext.commands.methods",
+    "ctxext.commands.eval",
+    "ctxext.commands.lm_eval",
     "ctxext.commands.finetune",
 ]
 

@@ -1,0 +1,229 @@
+"""`ctxext eval` and `ctxext demo`: perplexity (and passkey) of several patches at several lengths.
+
+`ctxext eval --model ID_OR_DIR ...` evaluates one model; with no `--model` (or as `ctxext demo`) it
+runs the default offline evaluation of the shipped reference models. Multi-process runs:
+`torchrun --nproc_per_node N -m ctxext eval ...`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import sys
+from pathlib import Path
+
+from ..evaluation.passkey import DEFAULT_DEPTHS
+from ..evaluation.windows import PROTOCOLS
+
+DEMO_OUTPUT = "results/demo.json"
+DEMO_PLOT = "results/demo.png"
+EVAL_OUTPUT = "results/eval.json"
+
+
+def _lengths(text: str) -> list[int]:
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        scale = 1024 if part.endswith("k") else 1
+        try:
+            value = int(float(part.rstrip("k")) * scale)
+        except ValueError:
+            raise ValueError(f"--lengths: not a length: {part!r} (e.g. 512,1024,2k)") from None
+        if value < 2:
+            raise ValueError(f"--lengths: a length must be >= 2, got {part!r}")
+        out.append(value)
+    if not out:
+        raise ValueError("--lengths is empty")
+    return sorted(set(out))
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--passkey-depths: expected numbers between 0 and 1, got {text!r}") from None
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_eval_arguments(p, *, demo: bool) -> None:
+    g = p.add_argument_group("model")
+    if not demo:
+        g.add_argument("--model", help="hub id, local directory, or directory holding --gguf-file "
+                       "(default: the shipped reference models, as `ctxext demo`)")
+        g.add_argument("--gguf-file", help="GGUF file name inside --model")
+        g.add_argument("--adapter", help="LoRA adapter directory saved by a ctxext fine-tune")
+    g.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or auto")
+    g.add_argument("--device", default=None, help="cpu, cuda or auto (device_map='auto'); default: cuda if available")
+    g = p.add_argument_group("patches")
+    g.add_argument("--methods", help="comma-separated: none (unpatched), pi, ntk, yarn:8, ... "
+                   "(default: none + every method that fits the model)")
+    g.add_argument("--factor", type=float, help="factor for every method that takes one "
+                   "(default: longest length / the model's original length)")
+    g.add_argument("--option", action="append", metavar="KEY=VALUE",
+                   help="method option, for every method that accepts KEY, or METHOD.KEY=VALUE; repeatable")
+    g = p.add_argument_group("data and protocol")
+    g.add_argument("--lengths", type=_lengths, help="comma-separated window lengths, e.g. 512,1024,2k "
+                   "(default: 1x,2x,4x,8x the original length)")
+    g.add_argument("--data", help="text file, folder of .txt files, JSONL with a text field, or a datasets "
+                   "name / local dataset folder (default: the bundled held-out book)")
+    g.add_argument("--data-split", default="test", help="split of a datasets dataset (default: test)")
+    g.add_argument("--text-field", default="text", help="text field of JSONL rows / dataset column (default: text)")
+    g.add_argument("--protocol", choices=PROTOCOLS, default="sliding",
+                   help="sliding (windows moved by --stride, each token scored once with >= L-stride context) "
+                   "or chunks (consecutive windows, every token scored)")
+    g.add_argument("--stride", type=_positive, help="sliding stride (default: half the length)")
+    g.add_argument("--max-windows", type=_positive,
+                   help="at most N windows per (method, length)" + (" (default: %(default)s)" if demo else ""))
+    g.add_argument("--batch-size", type=_positive, default=1, help="windows per forward pass (default: 1)")
+    g = p.add_argument_group("passkey retrieval")
+    g.add_argument("--passkey", action="store_true", help="also run synthetic passkey retrieval")
+    g.add_argument("--passkey-depths", type=_floats, default=DEFAULT_DEPTHS, help="needle depths (default: 0,.25,.5,.75,1)")
+    g.add_argument("--passkey-trials", type=_positive, default=2, help="trials per (length, depth) (default: 2)")
+    g.add_argument("--seed", type=int, default=0, help="passkey seed (default: 0)")
+    g = p.add_argument_group("output")
+    g.add_argument("--output", help=f"results JSON; rows also go to a .jsonl beside it as they finish "
+                   f"(default: {DEMO_OUTPUT if demo else EVAL_OUTPUT})")
+    g.add_argument("--resume", action="store_true", help="keep the finished rows of an interrupted run and skip them")
+    g.add_argument("--plot", help="PNG of perplexity vs length" + (f" (default: {DEMO_PLOT})" if demo else ""))
+    g.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+
+def register(sub) -> None:
+    from ..evaluation.demo import DEMO_MAX_WINDOWS
+
+    p = sub.add_parser("eval", help="perplexity / passkey of patched models at several lengths",
+                       description="Evaluate one model under several patches and lengths; without --model, "
+                       "run the default offline evaluation of the reference models (as `ctxext demo`).")
+    add_eval_arguments(p, demo=False)
+    p.set_defaults(func=run_eval)
+    d = sub.add_parser("demo", help="the default offline run: reference models at 1x-8x their training length",
+                       description="Evaluate the shipped reference models (LLaMA / GPT-2 / BLOOM families, trained "
+                       "at a short context) on the held-out book at 1x, 2x, 4x and 8x their training length, "
+                       "for every method that fits each; prints the table and writes JSON and a plot.")
+    add_eval_arguments(d, demo=True)
+    d.set_defaults(func=run_eval, max_windows=DEMO_MAX_WINDOWS, model=None, gguf_file=None, adapter=None)
+
+
+def _machine(device: str) -> dict:
+    import torch
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "device": device}
+    if device != "cpu" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def run_eval(args) -> int:
+    from .. import __version__
+    from ..evaluation import report
+    from ..evaluation.data import load_texts
+    from ..evaluation.demo import DEMO_MAX_WINDOWS, demo_jobs, demo_lengths, reference_texts
+    from ..evaluation.device import make_state, resolve_device
+    from ..evaluation.models import load_model, load_tokenizer
+    from ..evaluation.results import ResultStore
+    from ..evaluation.runner import ModelJob, Runner, Settings
+    from ..evaluation.windows import check_protocol
+
+    demo = args.model is None
+    command = args.command
+    if demo and (args.gguf_file or args.adapter):
+        raise ValueError("--gguf-file and --adapter need --model")
+    device = resolve_device(args.device)
+    state = make_state("cpu" if device == "cpu" else device)
+    lengths = args.lengths or (demo_lengths() if demo else None)
+    max_windows = args.max_windows if args.max_windows is not None or not demo else DEMO_MAX_WINDOWS
+    if args.methods:  # unknown names, bad factors and stray options fail before anything loads
+        from ..evaluation.requests import parse_methods
+
+        parse_methods(args.methods, factor=args.factor, options=args.option)
+    for length in lengths or []:
+        check_protocol(args.protocol, length, args.stride)  # bad stride: fail before loading anything
+    texts = load_texts(args.data, split=args.data_split, text_field=args.text_field) if args.data else None
+    if demo:
+        jobs = demo_jobs(texts, methods=args.methods, factor=args.factor, options=args.option,
+                         dtype=args.dtype, device=device)
+        texts = jobs[0].texts
+    else:
+        texts = texts or reference_texts()
+        model_id = args.model
+        if model_id.startswith((".", "/", "~")) and not Path(model_id).exists():
+            raise FileNotFoundError(f"model directory not found: {model_id}")
+        jobs = [ModelJob(
+            label=Path(model_id).name if Path(model_id).exists() else model_id,
+            load_tokenizer=lambda: load_tokenizer(model_id, gguf_file=args.gguf_file),
+            load_model=lambda: load_model(model_id, gguf_file=args.gguf_file, adapter=args.adapter,
+                                          dtype=args.dtype, device=device, state=state),
+            texts=texts, methods=args.methods, factor=args.factor, options=args.option,
+            info={"model": model_id, "gguf_file": args.gguf_file, "adapter": args.adapter},
+        )]
+    settings = Settings(
+        lengths=lengths, protocol=args.protocol, stride=args.stride, max_windows=max_windows,
+        batch_size=args.batch_size, passkey=args.passkey, passkey_depths=tuple(args.passkey_depths),
+        passkey_trials=args.passkey_trials, seed=args.seed, progress=not args.no_progress,
+    )
+    output = args.output or (DEMO_OUTPUT if demo else EVAL_OUTPUT)
+    fingerprint = {
+        "models": [dict(j.info, label=j.label) for j in jobs], "data": texts.info, "dtype": args.dtype,
+        "protocol": args.protocol, "stride": args.stride, "max_windows": max_windows,
+        "passkey": [args.passkey, list(args.passkey_depths), args.passkey_trials, args.seed] if args.passkey else None,
+    }
+    store = ResultStore(output, fingerprint, resume=args.resume, enabled=state.is_main_process)
+    runner = Runner(settings, store, state, command=command)
+    if store.resumed:
+        runner.log(f"resuming: {store.resumed} finished row(s) in {store.jsonl}")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    try:
+        outcome = runner.run(jobs)
+    finally:  # also on Ctrl-C and errors: the final JSON holds every finished row
+        outcome = runner.outcome
+        rows = store.ordered(outcome.planned)
+        document = {
+            "ctxext_version": __version__,
+            "created": started.isoformat(timespec="seconds"),
+            "command": ["ctxext"] + sys.argv[1:] if sys.argv and "ctxext" in sys.argv[0] else sys.argv,
+            "machine": _machine(device),
+            "processes": state.num_processes,
+            "model": outcome.models[0] if len(outcome.models) == 1 else None,
+            "models": outcome.models,
+            "data": texts.info,
+            "protocol": {"name": args.protocol, "stride": args.stride if args.protocol == "sliding" else None,
+                         "default_stride": "half the length" if args.protocol == "sliding" and args.stride is None else None,
+                         "max_windows": max_windows, "batch_size": args.batch_size,
+                         "last_quarter": "targets in the last quarter of their window"},
+            "passkey": {"depths": list(args.passkey_depths), "trials": args.passkey_trials, "seed": args.seed}
+            if args.passkey else None,
+            "results": rows,
+            "errors": outcome.errors,
+            "interrupted": outcome.interrupted,
+        }
+        store.write_final(document)
+    if state.is_main_process:
+        table = report.format_report(rows, outcome.models, document["protocol"])
+        if table:
+            print(table)
+        print(f"\nresults: {store.output} (rows: {store.jsonl})", file=sys.stderr)
+        plot_path = args.plot or (DEMO_PLOT if demo else None)
+        if plot_path and any(r.get("kind", "ppl") == "ppl" for r in rows):
+            report.plot(rows, outcome.models, plot_path, title=_plot_title(document))
+            print(f"plot: {plot_path}", file=sys.stderr)
+    if not rows and not outcome.errors:
+        raise ValueError("nothing was evaluated")
+    return 2 if outcome.errors else 0
+
+
+def _plot_title(document: dict) -> str:
+    proto = document["protocol"]
+    what = "sliding window" if proto["name"] == "sliding" else "chunks"
+    return f"Perplexity vs context length ({what}) on {document['data'].get('data', 'data')}"

@@ -1,0 +1,128 @@
+"""Evaluation texts: a text file, a folder of text files, a JSONL file, or a `datasets` dataset."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TEXT_SUFFIXES = (".txt", ".txt.gz")
+_DATASET_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
+
+
+@dataclass
+class Texts:
+    texts: list[str]
+    #: How the data was found (recorded in the results JSON).
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _read_text(path: Path) -> str:
+    if path.name.endswith(".gz"):
+        with gzip.open(path, "rt", encoding="utf-8") as fh:
+            return fh.read()
+    return path.read_text(encoding="utf-8")
+
+
+def _read_jsonl(path: Path, text_field: str) -> list[str]:
+    texts = []
+    with path.open(encoding="utf-8") as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+            if not isinstance(row, dict) or text_field not in row:
+                raise ValueError(f"{path}:{number}: no {text_field!r} field (choose one with --text-field)")
+            texts.append(str(row[text_field]))
+    return texts
+
+
+def _column(dataset, text_field: str, where: str) -> list[str]:
+    columns = list(getattr(dataset, "column_names", []) or [])
+    if text_field not in columns:
+        raise ValueError(f"{where} has no {text_field!r} column (columns: {', '.join(columns)}); use --text-field")
+    return [str(t) for t in dataset[text_field]]
+
+
+def _pick_split(data, split: str, where: str):
+    if hasattr(data, "keys") and not hasattr(data, "column_names"):  # a DatasetDict
+        if split not in data:
+            raise ValueError(f"{where} has no split {split!r} (splits: {', '.join(data.keys())}); use --data-split")
+        return data[split]
+    return data
+
+
+def _load_dataset(name: str, split: str, text_field: str) -> list[str]:
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - declared in the eval extra
+        raise ImportError("loading a dataset needs `datasets`: pip install 'ctxext[eval]'") from None
+    path = Path(name)
+    try:
+        if path.is_dir() and any((path / m).exists() for m in _DATASET_MARKERS):
+            data = _pick_split(datasets.load_from_disk(str(path)), split, str(path))
+        else:
+            data = datasets.load_dataset(name, split=split)
+    except ValueError:
+        raise
+    except Exception as exc:  # network, missing dataset, bad split: one line for the user
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise OSError(
+            f"cannot load dataset {name!r} (split {split!r}): {first}"
+            + ("" if path.exists() else " (a hub dataset needs network access or a local cache)")
+        ) from exc
+    return _column(data, text_field, f"dataset {name!r}")
+
+
+def load_texts(data: str, *, split: str = "test", text_field: str = "text") -> Texts:
+    """Read evaluation documents (one string each) from ``data``.
+
+    - a ``.jsonl`` file: one document per line, from ``text_field``;
+    - a text file (``.txt``, ``.txt.gz`` or any other non-JSONL file): one document;
+    - a folder with ``.txt`` files (searched recursively, sorted by path): one document per file;
+    - a folder saved by ``datasets`` (``save_to_disk``) or loadable by ``datasets.load_dataset``, or a hub
+      dataset name: the ``text_field`` column of ``split``.
+    """
+    path = Path(data)
+    info: dict[str, Any] = {"data": data}
+    if path.is_file():
+        if path.suffix == ".jsonl":
+            texts = _read_jsonl(path, text_field)
+            info.update(format="jsonl", text_field=text_field)
+        else:
+            texts = [_read_text(path)]
+            info.update(format="text")
+    elif path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES))
+        if files and not any((path / m).exists() for m in _DATASET_MARKERS):
+            texts = [_read_text(p) for p in files]
+            info.update(format="text-folder", files=[str(p.relative_to(path)) for p in files])
+        else:
+            texts = _load_dataset(data, split, text_field)
+            info.update(format="dataset", split=split, text_field=text_field)
+    elif data.startswith((".", "/", "~")) or data.endswith((".txt", ".jsonl", ".gz", ".json")):
+        raise FileNotFoundError(f"data file not found: {data}")
+    else:
+        texts = _load_dataset(data, split, text_field)
+        info.update(format="dataset", split=split, text_field=text_field)
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise ValueError(f"no text found in {data}")
+    info["documents"] = len(texts)
+    return Texts(texts, info)
+
+
+def tokenize_texts(tokenizer, texts: list[str]) -> list[torch.Tensor]:
+    """Token ids of each document (special tokens as the tokenizer adds them, e.g. a leading BOS)."""
+    docs = []
+    for text in texts:
+        ids = tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
+        docs.append(torch.tensor(ids, dtype=torch.long))
+    return docs

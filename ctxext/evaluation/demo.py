@@ -1,0 +1,57 @@
+"""The default offline run: the shipped reference models on the held-out book at 1x..8x their training length."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .data import Texts
+from .runner import DEFAULT_MULTIPLES, ModelJob
+
+#: Windows per (model, method, length) in the default run: keeps it to a few minutes on 2 CPU cores.
+DEMO_MAX_WINDOWS = 8
+
+
+def _reference():
+    try:
+        from .. import reference
+    except ImportError as exc:
+        raise OSError(f"the reference models are not part of this installation ({exc})") from None
+    return reference
+
+
+def reference_texts() -> Texts:
+    ref = _reference()
+    return Texts([ref.reference_text()], {"data": "ctxext reference held-out book (Jane Austen, Emma)", "format": "bundled", "documents": 1})
+
+
+def demo_lengths() -> list[int]:
+    return [_reference().TRAIN_LENGTH * m for m in DEFAULT_MULTIPLES]
+
+
+def demo_jobs(texts: Texts | None = None, *, methods: str | None = None, factor: float | None = None,
+              options: list[str] | None = None, dtype: str | None = None, device: str = "cpu") -> list[ModelJob]:
+    """One job per reference model (LLaMA / GPT-2 / BLOOM families), each with every method that fits it."""
+    ref = _reference()
+    texts = texts or reference_texts()
+
+    def loader(name: str):
+        def load():
+            from .device import resolve_dtype
+
+            model = ref.reference_model(name)
+            dt = resolve_dtype(dtype)
+            if dt != "auto":
+                model = model.to(dt)
+            return model.to("cuda" if device in ("cuda", "auto") else "cpu").eval()
+
+        return load
+
+    jobs = []
+    for name in ref.REFERENCE_NAMES:
+        info: dict[str, Any] = {"model": f"ctxext.reference:{name}", "original_length": ref.TRAIN_LENGTH, "title": f"reference {name} (trained at {ref.TRAIN_LENGTH})"}
+        jobs.append(ModelJob(
+            label=name, load_tokenizer=lambda name=name: ref.reference_tokenizer(name), load_model=loader(name),
+            texts=texts, methods=methods, factor=factor if factor is not None else float(max(DEFAULT_MULTIPLES)),
+            options=options, info=info,
+        ))
+    return jobs

@@ -1,0 +1,133 @@
+"""Synthetic passkey retrieval: a random number hidden at a depth of filler text, read back greedily.
+
+The prompt (after Mohtashami & Jaggi, as used by the PI / YaRN / LongLoRA papers) is built to
+``length`` tokens including the generated answer, so generation never runs past ``length``.
+Passkeys are drawn from ``random.Random`` seeded by (seed, length, depth, trial): reproducible and
+independent of the method, the process count and the order of evaluation.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from typing import Any, Sequence
+
+import torch
+
+PREFIX = (
+    "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+    "I will quiz you about the important information there.\n"
+)
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = "\nWhat is the pass key? The pass key is"
+
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def _n_tokens(tokenizer, text: str) -> int:
+    return len(tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"])
+
+
+def draw_passkey(seed: int, length: int, depth: float, trial: int) -> int:
+    return random.Random(f"ctxext-passkey/{seed}/{length}/{depth:.4f}/{trial}").randint(10000, 99999)
+
+
+def build_prompt(tokenizer, length: int, depth: float, key: int, answer_tokens: int) -> list[int]:
+    """Token ids of a prompt of at most ``length - answer_tokens`` tokens with the needle at ``depth``."""
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"passkey depth must be between 0 and 1, got {depth}")
+    budget = length - answer_tokens
+    needle = NEEDLE.format(key=key)
+    fixed = _n_tokens(tokenizer, PREFIX + needle + QUESTION)
+    per_filler = max(1, _n_tokens(tokenizer, FILLER * 8) // 8)
+    total = max(0, (budget - fixed) // per_filler + 1)
+
+    def make(n_fill: int) -> list[int]:
+        before = int(round(depth * n_fill))
+        text = PREFIX + FILLER * before + needle + FILLER * (n_fill - before) + QUESTION
+        return tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
+
+    ids = make(total)
+    while len(ids) > budget and total > 0:
+        total -= 1
+        ids = make(total)
+    if len(ids) > budget:
+        raise ValueError(f"passkey length {length} is too short for the prompt ({len(ids)} tokens)")
+    return ids
+
+
+def passkey_prompt_check(tokenizer, length: int) -> None:
+    """Raise ValueError if no passkey prompt fits ``length`` tokens."""
+    build_prompt(tokenizer, length, 0.5, 99999, _answer_tokens(tokenizer))
+
+
+def _answer_tokens(tokenizer) -> int:
+    return _n_tokens(tokenizer, " 12345.") + 2
+
+
+def first_number(text: str) -> int | None:
+    match = re.search(r"\d+", text)
+    return int(match.group()) if match else None
+
+
+@torch.no_grad()
+def passkey_accuracy(
+    model,
+    tokenizer,
+    length: int,
+    *,
+    depths: Sequence[float] = DEFAULT_DEPTHS,
+    trials: int = 2,
+    seed: int = 0,
+    state=None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Accuracy of greedy passkey retrieval at ``length`` tokens: overall and per depth.
+
+    With an accelerate ``PartialState`` of several processes the trials are split between them.
+    """
+    from tqdm.auto import tqdm
+
+    if trials < 1:
+        raise ValueError(f"passkey trials must be >= 1, got {trials}")
+    answer = _answer_tokens(tokenizer)
+    items = [(d, t) for d in depths for t in range(trials)]
+    distributed = state is not None and state.num_processes > 1
+    if distributed:
+        with state.split_between_processes(list(enumerate(items))) as mine:
+            mine = list(mine)
+    else:
+        mine = list(enumerate(items))
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    is_main = state is None or state.is_main_process
+    outcomes = []
+    for index, (depth, trial) in tqdm(mine, desc=f"passkey L={length}", disable=not (progress and is_main), leave=False):
+        key = draw_passkey(seed, length, depth, trial)
+        ids = torch.tensor([build_prompt(tokenizer, length, depth, key, answer)], device=device)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=answer, do_sample=False,
+            num_beams=1, pad_token_id=pad,
+        )
+        text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+        outcomes.append((index, depth, key, first_number(text), ids.shape[1]))
+    if distributed:
+        from accelerate.utils import gather_object
+
+        outcomes = gather_object(outcomes)
+    outcomes.sort(key=lambda o: o[0])
+    per_depth = {}
+    for depth in depths:
+        hits = [o[3] == o[2] for o in outcomes if o[1] == depth]
+        per_depth[f"{depth:g}"] = sum(hits) / len(hits)
+    correct = sum(o[3] == o[2] for o in outcomes)
+    return {
+        "accuracy": correct / len(outcomes),
+        "correct": correct,
+        "trials": len(outcomes),
+        "depths": per_depth,
+        "prompt_tokens": max(o[4] for o in outcomes),
+        "length": length,
+        "seed": seed,
+    }

@@ -1,0 +1,102 @@
+"""Console tables and the perplexity-vs-length plot, from result rows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Sequence
+
+
+def _fmt(value: Any, kind: str) -> str:
+    if value is None:
+        return "-"
+    if kind == "passkey":
+        return f"{100 * value:.0f}%"
+    if value >= 1e5:
+        return f"{value:.2e}"
+    return f"{value:.2f}" if value < 1000 else f"{value:.0f}"
+
+
+def _labels(rows) -> list[str]:
+    out = []
+    for r in rows:
+        if r["label"] not in out:
+            out.append(r["label"])
+    return out
+
+
+def format_table(rows: Sequence[dict[str, Any]], *, kind: str = "ppl", field: str = "ppl", title: str = "") -> str:
+    """Methods as rows, lengths as columns."""
+    rows = [r for r in rows if r.get("kind", "ppl") == kind]
+    if not rows:
+        return ""
+    lengths = sorted({int(r["length"]) for r in rows})
+    cells = {(r["label"], int(r["length"])): "n/a" if r.get("not_applicable") else _fmt(r.get(field), kind) for r in rows}
+    header = ["method"] + [str(n) for n in lengths]
+    body = [[label] + [cells.get((label, n), "") for n in lengths] for label in _labels(rows)]
+    widths = [max(len(x) for x in col) for col in zip(header, *body)]
+    line = lambda cols: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cols, widths)))
+    out = [title] if title else []
+    out += [line(header), line(["-" * w for w in widths])] + [line(b) for b in body]
+    return "\n".join(out)
+
+
+def format_report(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], protocol: dict[str, Any]) -> str:
+    """All tables of a run: per model, perplexity (and last-quarter perplexity, passkey accuracy)."""
+    parts = []
+    stride = protocol.get("stride")
+    proto = protocol.get("name", "sliding") + (f", stride {stride}" if stride and protocol.get("name") == "sliding" else "")
+    for model in models:
+        mine = [r for r in rows if r.get("model") == model["label"]]
+        trained = model.get("original_length")
+        where = f"{model['label']}" + (f" (trained to {trained} tokens)" if trained else "")
+        for kind, field, what in (
+            ("ppl", "ppl", f"perplexity ({proto})"),
+            ("ppl", "ppl_last_quarter", "perplexity, last quarter of each window"),
+            ("passkey", "accuracy", "passkey accuracy"),
+        ):
+            table = format_table(mine, kind=kind, field=field, title=f"{what} - {where}")
+            if table:
+                parts.append(table)
+    return "\n\n".join(parts)
+
+
+def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
+    """PNG of perplexity vs length, one line per method, one panel per model; training length marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = [m for m in models if any(r.get("model") == m["label"] and r.get("kind", "ppl") == "ppl" for r in rows)]
+    if not models:
+        raise ValueError("nothing to plot: no perplexity results")
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.2), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [r for r in rows if r.get("model") == model["label"] and r.get("kind", "ppl") == "ppl" and r.get("ppl")]
+        for label in _labels(mine):
+            pts = sorted((int(r["length"]), r["ppl"]) for r in mine if r["label"] == label)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
+                    linestyle="--" if label == "none" else "-", color="black" if label == "none" else None)
+        trained = model.get("original_length")
+        if trained:
+            ax.axvline(trained, color="grey", linestyle=":", linewidth=1.5)
+            ax.annotate("training length", (trained, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
+                        textcoords="offset points", fontsize=8, color="grey")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        lengths = sorted({int(r["length"]) for r in mine})
+        if lengths:
+            ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("perplexity")
+        ax.set_title(model.get("title") or model["label"], fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -1,0 +1,108 @@
+"""Which patches to evaluate: `--methods none,pi,yarn:8 --factor 4 --option KEY=VALUE` as data."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import PatchError
+from ..registry import METHODS, resolve_method
+
+NONE = "none"
+
+
+@dataclass(frozen=True)
+class MethodRequest:
+    """One patch to evaluate; ``method`` is ``"none"`` for the unpatched model."""
+
+    method: str
+    factor: float | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        if self.method == NONE or self.factor is None:
+            return self.method
+        return f"{self.method} x{self.factor:g}"
+
+    def key(self) -> tuple[str, float | None]:
+        return (self.method, self.factor)
+
+
+def parse_options(pairs: list[str] | None) -> dict[str | None, dict[str, str]]:
+    """``KEY=VALUE`` (every method that accepts KEY) or ``METHOD.KEY=VALUE`` -> {method or None: {key: value}}."""
+    out: dict[str | None, dict[str, str]] = {}
+    for pair in pairs or []:
+        if "=" not in pair:
+            raise ValueError(f"--option expects KEY=VALUE or METHOD.KEY=VALUE, got {pair!r}")
+        key, value = pair.split("=", 1)
+        method = None
+        if "." in key:
+            method, key = key.split(".", 1)
+            method = resolve_method(method).name
+        out.setdefault(method, {})[key.strip()] = value.strip()
+    return out
+
+
+def _factor(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"{what}: factor must be a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 1:
+        raise ValueError(f"{what}: factor must be a number >= 1, got {text!r}")
+    return value
+
+
+def parse_methods(
+    spec: str | None, *, factor: float | None, options: list[str] | None = None, default: list[str] | None = None
+) -> list[MethodRequest]:
+    """Parse ``--methods`` (comma-separated ``NAME`` or ``NAME:FACTOR``; ``none`` = unpatched).
+
+    ``factor`` applies to every method that takes one and has no ``:FACTOR``. ``default`` (method
+    names) is used when ``spec`` is empty. Unknown methods, and options no listed method accepts, raise.
+    """
+    names = [s.strip() for s in spec.split(",") if s.strip()] if spec else list(default or [])
+    if not names:
+        raise ValueError("no methods to evaluate (give --methods, e.g. none,pi,yarn)")
+    by_method = parse_options(options)
+    requests: list[MethodRequest] = []
+    used_global: set[str] = set()
+    for item in names:
+        name, _, own = item.partition(":")
+        name = name.strip().lower()
+        if name == NONE:
+            if own:
+                raise ValueError("'none' (the unpatched model) takes no factor")
+            req = MethodRequest(NONE)
+        else:
+            info = resolve_method(name)
+            f = _factor(own, item) if own else None
+            if f is None and info.needs_factor:
+                f = factor
+            opts = {k: v for k, v in by_method.get(None, {}).items() if k in info.options}
+            used_global.update(opts)
+            opts.update(by_method.get(info.name, {}))
+            req = MethodRequest(info.name, f, opts)
+        if req in requests:
+            continue
+        requests.append(req)
+    unused = sorted(set(by_method.get(None, {})) - used_global)
+    if unused:
+        raise ValueError(f"option(s) {', '.join(unused)} apply to none of the methods {', '.join(names)}")
+    for method in by_method:
+        if method is not None and method not in {r.method for r in requests}:
+            raise ValueError(f"--option for {method!r}, which is not among --methods")
+    return requests
+
+
+def check_request(model, request: MethodRequest) -> None:
+    """Raise PatchError if ``request`` cannot be applied to (the unpatched) ``model``; touches nothing."""
+    if request.method == NONE:
+        return
+    from ..api import build_spec
+
+    if request.factor is None and METHODS[request.method].needs_factor:
+        raise PatchError(f"method {request.method!r} needs a factor: give --factor N or {request.method}:N")
+    build_spec(model, request.method, request.factor, **request.options)

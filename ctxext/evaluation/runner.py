@@ -1,0 +1,248 @@
+"""The evaluation loop: for each model, each requested patch and each length, score and record a row.
+
+Rows are written as they finish (see :mod:`.results`); rows already present (``--resume``) are skipped;
+a method that does not fit the model is reported and skipped while the others run.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..api import available_methods, describe, patch, unpatch
+from ..errors import PatchError
+from .data import Texts, tokenize_texts
+from .models import model_info
+from .passkey import DEFAULT_DEPTHS, passkey_accuracy, passkey_prompt_check
+from .perplexity import score_documents
+from .requests import NONE, MethodRequest, check_request, parse_methods
+from .results import ResultStore, row_key
+
+#: Default lengths, as multiples of the model's original context length.
+DEFAULT_MULTIPLES = (1, 2, 4, 8)
+
+
+@dataclass
+class Settings:
+    lengths: list[int] | None = None
+    protocol: str = "sliding"
+    stride: int | None = None
+    max_windows: int | None = None
+    batch_size: int = 1
+    perplexity: bool = True
+    passkey: bool = False
+    passkey_depths: tuple[float, ...] = DEFAULT_DEPTHS
+    passkey_trials: int = 2
+    seed: int = 0
+    progress: bool = True
+
+    def stride_for(self, length: int) -> int | None:
+        if self.protocol != "sliding":
+            return None
+        return self.stride if self.stride is not None else max(1, length // 2)
+
+
+@dataclass
+class ModelJob:
+    """One model to evaluate, and what to evaluate it with."""
+
+    label: str
+    load_tokenizer: Callable[[], Any]
+    load_model: Callable[[], Any]
+    texts: Texts
+    methods: str | None = None  # the --methods string; None = the default set
+    factor: float | None = None
+    options: list[str] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Outcome:
+    models: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    planned: list[tuple] = field(default_factory=list)
+    interrupted: bool = False
+
+
+class Runner:
+    def __init__(self, settings: Settings, store: ResultStore, state, *, command: str = "eval"):
+        self.settings = settings
+        self.store = store
+        self.state = state
+        self.command = command
+        self.outcome = Outcome()
+        self.main = state is None or state.is_main_process
+
+    # -- messages (main process only) -------------------------------------------------------------
+    def log(self, message: str) -> None:
+        if self.main:
+            print(message, file=sys.stderr, flush=True)
+
+    def error(self, message: str) -> None:
+        self.outcome.errors.append(message)
+        if self.main:
+            print(f"ctxext {self.command}: error: {message}", file=sys.stderr, flush=True)
+
+    # -- planning ---------------------------------------------------------------------------------
+    def _lengths(self, info: dict[str, Any]) -> list[int]:
+        if self.settings.lengths:
+            return list(self.settings.lengths)
+        original = info.get("original_length")
+        if not original:
+            raise ValueError(f"{info['label']}: the model advertises no context length; give --lengths")
+        return [int(original * m) for m in DEFAULT_MULTIPLES]
+
+    def _requests(self, job: ModelJob, model, info: dict[str, Any], lengths: list[int]) -> list[MethodRequest]:
+        loaded = info.get("loaded_patch")
+        if job.methods is None and loaded:
+            return [MethodRequest(loaded["method"], loaded["factor"], dict(loaded.get("options") or {}))]
+        factor = job.factor
+        if factor is None and info.get("original_length"):
+            factor = max(1.0, max(lengths) / info["original_length"])
+        try:
+            fits = list(available_methods(model))
+        except PatchError:
+            fits = []
+        return parse_methods(job.methods, factor=factor, options=job.options, default=[NONE] + fits)
+
+    # -- running ----------------------------------------------------------------------------------
+    def run(self, jobs: list[ModelJob]) -> Outcome:
+        try:
+            for job in jobs:
+                self._run_job(job)
+        except KeyboardInterrupt:
+            self.outcome.interrupted = True
+            raise
+        return self.outcome
+
+    def _run_job(self, job: ModelJob) -> None:
+        s = self.settings
+        tokenizer = job.load_tokenizer()
+        docs = tokenize_texts(tokenizer, job.texts.texts)
+        model = job.load_model()
+        info = model_info(model, job.info.get("model", job.label), label=job.label, **{k: v for k, v in job.info.items() if k != "model"})
+        info["tokens"] = sum(int(d.numel()) for d in docs)
+        info["methods"] = {}
+        self.outcome.models.append(info)
+        if describe(model) is not None:
+            unpatch(model)  # every request below is applied to the unpatched model
+        lengths = self._lengths(info)
+        longest = max(int(d.numel()) for d in docs)
+        usable = []
+        for length in lengths:
+            if length > longest and s.perplexity:
+                self.error(
+                    f"{job.label}: length {length} is longer than every document "
+                    f"(the longest has {longest} tokens); skipped"
+                )
+            else:
+                usable.append(length)
+        requests = []
+        for req in self._requests(job, model, info, lengths):
+            try:
+                check_request(model, req)
+            except PatchError as exc:
+                self.error(f"{job.label}: {exc}")
+                continue
+            requests.append(req)
+        plan = [("ppl", L) for L in usable] if s.perplexity else []
+        if s.passkey:
+            for length in lengths:
+                try:
+                    passkey_prompt_check(tokenizer, length)
+                except ValueError as exc:
+                    self.error(f"{job.label}: {exc}; no passkey at this length")
+                    continue
+                plan.append(("passkey", length))
+        plan.sort(key=lambda p: (p[1], p[0] != "ppl"))
+        for req in requests:
+            keys = [(kind, job.label, req.method, req.factor, L) for kind, L in plan]
+            self.outcome.planned.extend(keys)
+            todo = [k for k in keys if self.store.done(k) is None]
+            if not todo:
+                continue
+            try:
+                if req.method != NONE:
+                    patch(model, req.method, req.factor, **req.options)
+            except PatchError as exc:
+                self.error(f"{job.label}: {exc}")
+                continue
+            spec = describe(model)
+            info["methods"][req.label] = spec
+            limit = position_limit(model)
+            try:
+                for kind, _, _, _, length in todo:
+                    where = f"{job.label} {req.label} L={length}"
+                    if limit is not None and length > limit:
+                        # a learned position table (GPT-2's wpe) has no row for these positions
+                        row = {"ppl": None, "accuracy": None,
+                               "not_applicable": f"the position table has {limit} rows; length {length} needs more"}
+                        self.log(f"{where}: n/a ({row['not_applicable']})")
+                    else:
+                        try:
+                            row = self._score(kind, model, tokenizer, docs, length)
+                        except ValueError as exc:
+                            self.error(f"{where}: {exc}")
+                            continue
+                    ident = dict(kind=kind, model=job.label, method=req.method, factor=req.factor, length=length,
+                                 label=req.label)
+                    row = {**ident, **{k: v for k, v in row.items() if k not in ident}, "spec": spec}
+                    self.store.add(row)
+                    if "not_applicable" not in row:
+                        self.log(_progress_line(row))
+            finally:
+                if describe(model) is not None:
+                    unpatch(model)
+        for req in requests:  # labels of rows finished in an earlier (resumed) run
+            info["methods"].setdefault(req.label, None if req.method == NONE else _spec_of(self.store, job.label, req))
+        del model
+
+    def _score(self, kind: str, model, tokenizer, docs, length: int) -> dict[str, Any]:
+        s = self.settings
+        start = time.perf_counter()
+        if kind == "ppl":
+            row = score_documents(
+                model, docs, length, protocol=s.protocol, stride=s.stride_for(length), max_windows=s.max_windows,
+                batch_size=s.batch_size, progress=s.progress, state=self.state,
+            )
+        else:
+            row = passkey_accuracy(
+                model, tokenizer, length, depths=s.passkey_depths, trials=s.passkey_trials, seed=s.seed,
+                state=self.state, progress=s.progress,
+            )
+        seconds = time.perf_counter() - start
+        row["seconds"] = round(seconds, 3)
+        if kind == "ppl" and seconds > 0:
+            row["tokens_per_second"] = round(row["tokens"] / seconds, 1)
+        row["processes"] = 1 if self.state is None else self.state.num_processes
+        return row
+
+
+def position_limit(model) -> int | None:
+    """Rows of a learned absolute position table (GPT-2's ``wpe`` and the like), or None if there is none."""
+    from torch import nn
+
+    from ..api import _base_model
+
+    for name, module in _base_model(model).named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Embedding) and leaf in ("wpe", "embed_positions", "position_embeddings"):
+            return module.num_embeddings - int(getattr(module, "offset", 0))
+    return None
+
+
+def _spec_of(store: ResultStore, label: str, req: MethodRequest):
+    for row in store.rows.values():
+        if row.get("model") == label and row_key(row)[2:4] == (req.method, req.factor):
+            return row.get("spec")
+    return None
+
+
+def _progress_line(row: dict[str, Any]) -> str:
+    where = f"{row['model']}  {row['label']:<16} L={row['length']:<6}"
+    if row["kind"] == "ppl":
+        ppl = "-" if row["ppl"] is None else f"{row['ppl']:.2f}"
+        return f"{where} ppl {ppl}  ({row['tokens']} tokens, {row['windows']} windows, {row['seconds']:.1f} s)"
+    return f"{where} passkey {100 * row['accuracy']:.0f}%  ({row['trials']} trials, {row['seconds']:.1f} s)"
