@@ -69,7 +69,11 @@ class DataConfig:
     dataset: Optional[str] = None
     dataset_config: Optional[str] = None
     split: str = "train"
+    #: stream the dataset (read only the documents used, no full download)
+    streaming: bool = False
     text_field: str = "text"
+    #: read at most this many documents (files, JSONL lines and dataset rows, in order); null = all
+    max_documents: Optional[int] = None
     #: training sequence length; default: the patched length (factor x the model's original length)
     seq_length: Optional[int] = None
     #: append the tokenizer's EOS after each document before packing
@@ -151,12 +155,17 @@ class Recipe:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
     def resolve_path(self, path: str) -> Path:
-        """A path from the recipe: as given (absolute or relative to cwd), else relative to the recipe's folder."""
+        """A path from the recipe: as given (absolute or relative to the working directory), else relative to the
+        recipe's folder or one of its parents (so ``../shared/data`` in ``recipes/tiny/x.yaml`` finds the folder
+        beside the checkout from anywhere)."""
         p = Path(path).expanduser()
         if p.is_absolute() or p.exists() or self.source is None:
             return p
-        beside = Path(self.source).parent / p
-        return beside if beside.exists() else p
+        folder = Path(self.source).resolve().parent
+        for base in [folder, *folder.parents]:
+            if (base / p).exists():
+                return base / p
+        return p
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe) if not f.metadata.get("internal")}
@@ -374,9 +383,12 @@ def validate(recipe: Recipe) -> None:
     for f in d.files:
         if not recipe.resolve_path(f).exists():
             raise RecipeError(f"data.files: {f!r} not found (relative paths are read from the working directory"
-                              + (f" or {Path(recipe.source).parent}" if recipe.source else "") + ")")
+                              + (f", else from {Path(recipe.source).parent} or its parents" if recipe.source else "")
+                              + ")")
     if d.seq_length is not None and d.seq_length < 2:
         raise RecipeError(f"data.seq_length must be >= 2, got {d.seq_length}")
+    if d.max_documents is not None and d.max_documents < 1:
+        raise RecipeError(f"data.max_documents must be >= 1, got {d.max_documents}")
     if d.max_sequences is not None and d.max_sequences < 1:
         raise RecipeError(f"data.max_sequences must be >= 1, got {d.max_sequences}")
 

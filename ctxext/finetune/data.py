@@ -38,7 +38,14 @@ def _expand(paths: list[Path], exclude: list[str]) -> list[Path]:
 
 
 def iter_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
-    """Documents in a fixed order: a text file is one document; a JSONL line is one document."""
+    """Documents in a fixed order (at most ``max_documents``): a text file, a JSONL line or a dataset row each."""
+    for i, doc in enumerate(_all_documents(paths, cfg)):
+        if cfg.max_documents is not None and i >= cfg.max_documents:
+            return
+        yield doc
+
+
+def _all_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
     for f in _expand(paths, cfg.exclude):
         if f.suffix.lower() in JSONL_SUFFIXES:
             with f.open(encoding="utf-8") as fh:
@@ -65,14 +72,18 @@ def _dataset_documents(cfg: DataConfig) -> Iterator[str]:
     except ImportError as exc:  # pragma: no cover - declared extra
         raise RecipeError("data.dataset needs the datasets package: pip install 'ctxext[finetune]'") from exc
     try:
-        ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split)
+        ds = datasets.load_dataset(cfg.dataset, cfg.dataset_config, split=cfg.split, streaming=cfg.streaming)
     except Exception as exc:  # noqa: BLE001 - datasets raises many kinds
         raise RecipeError(f"data.dataset {cfg.dataset!r}: cannot load ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
-    if cfg.text_field not in ds.column_names:
+    columns = getattr(ds, "column_names", None)
+    if columns is not None and cfg.text_field not in columns:
         raise RecipeError(f"data.dataset {cfg.dataset!r} has no column {cfg.text_field!r} "
-                          f"(columns: {', '.join(ds.column_names)}; set data.text_field)")
+                          f"(columns: {', '.join(columns)}; set data.text_field)")
     for row in ds:
+        if cfg.text_field not in row:
+            raise RecipeError(f"data.dataset {cfg.dataset!r} rows have no {cfg.text_field!r} field "
+                              f"(fields: {', '.join(row)}; set data.text_field)")
         yield str(row[cfg.text_field])
 
 

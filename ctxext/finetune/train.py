@@ -23,6 +23,7 @@ from .data import build_packed_data, read_eval_tokens
 from .model import (
     add_lora,
     apply_patch,
+    bake_position_tables,
     check_lora,
     check_patch,
     count_parameters,
@@ -333,6 +334,8 @@ def run(
         if main:
             merged = peft_model.merge_and_unload()
             merged.config.use_cache = True
+            if bake_position_tables(merged):
+                say("merged: the trained position table is saved as the model's own (no patch to re-apply)")
             merged.save_pretrained(str(merged_dir))
             tokenizer.save_pretrained(str(merged_dir))
         acc.wait_for_everyone()
