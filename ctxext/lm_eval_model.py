@@ -17,12 +17,22 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from .api import describe, patch, unpatch
-from .loading import load_adapter, pop_saved_spec
+from .loading import from_pretrained, load_adapter
 from .registry import METHODS, resolve_method
+
+
+class _CtxextAutoModel:
+    """Stands in for AutoModelForCausalLM inside HFLM: loads through ``ctxext.from_pretrained``, so a model
+    saved patched comes back patched (and GPT-2 tables and GGUF markers are handled as ctxext does)."""
+
+    @staticmethod
+    def from_pretrained(pretrained, **kwargs):
+        return from_pretrained(pretrained, **kwargs)
 
 
 @register_model("ctxext")
@@ -45,13 +55,11 @@ class CtxextLM(HFLM):
             stray = sorted(set(kwargs) & known)
             if stray:
                 raise ValueError(f"method option(s) {', '.join(stray)} given without method=")
-        if device is None:
+        if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+            # lm-eval passes its --device default (cuda:0) even on machines without CUDA
             device = "cuda" if torch.cuda.is_available() else "cpu"
         super().__init__(pretrained=pretrained, device=device, **kwargs)
         model = self._model
-        saved = pop_saved_spec(model) if isinstance(pretrained, str) else None
-        if saved is not None and method is None:
-            patch(model, saved.method, saved.factor, **saved.options)
         if adapter is not None:
             self._model = model = load_adapter(model, str(adapter))
         if method is not None:
@@ -60,6 +68,15 @@ class CtxextLM(HFLM):
             if str(method).lower() != "none":
                 patch(model, str(method), factor, **options)
         self.ctxext_spec = describe(model)
+
+    def _create_model(self, pretrained, *args, **kwargs):
+        if not isinstance(pretrained, str) or self.AUTO_MODEL_CLASS is not transformers.AutoModelForCausalLM:
+            return super()._create_model(pretrained, *args, **kwargs)
+        self.AUTO_MODEL_CLASS = _CtxextAutoModel
+        try:
+            return super()._create_model(pretrained, *args, **kwargs)
+        finally:
+            self.AUTO_MODEL_CLASS = transformers.AutoModelForCausalLM
 
     @property
     def max_length(self) -> int:

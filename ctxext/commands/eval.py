@@ -218,6 +218,7 @@ def run_eval(args) -> int:
         if plot_path and any(r.get("kind", "ppl") == "ppl" for r in rows):
             report.plot(rows, outcome.models, plot_path, title=_plot_title(document))
             print(f"plot: {plot_path}", file=sys.stderr)
+    state.wait_for_everyone()  # no process exits (and makes torchrun stop the others) before the files are written
     if not rows and not outcome.errors:
         raise ValueError("nothing was evaluated")
     return 2 if outcome.errors else 0

@@ -22,6 +22,7 @@ def register(sub) -> None:
         "--tasks hellaswag`. ctxext model_args: pretrained, gguf_file, adapter, method, factor, and the method's "
         "options (e.g. beta_fast=32); the rest are lm-eval's `hf` model_args.",
         add_help=False,
+        prefix_chars="+",  # every argument, `--model` included, is lm-eval's
     )
     p.add_argument("lm_eval_args", nargs=argparse.REMAINDER)
     p.set_defaults(func=run)

@@ -1,0 +1,172 @@
+"""`ctxext eval` end to end on tiny saved models: rows, JSON, plot, resume, data formats, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from ctxext.cli import main
+
+from test_eval_fixtures import CORPUS, save_tiny_gpt2, save_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("models") / "llama")
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    return save_tiny_gpt2(tmp_path_factory.mktemp("models") / "gpt2")
+
+
+def run(*argv) -> int:
+    return main(["eval", "--no-progress", "--device", "cpu", *map(str, argv)])
+
+
+def rows_of(path):
+    return [json.loads(line) for line in path.with_suffix(".jsonl").read_text().splitlines()][1:]
+
+
+def test_eval_writes_rows_json_table_and_plot(llama_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = run("--model", llama_dir, "--data", CORPUS, "--lengths", "32,64,128", "--methods", "none,pi,yarn:4",
+             "--factor", "2", "--max-windows", "3", "--output", out, "--plot", tmp_path / "p.png")
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert doc["model"]["architecture"] == "LlamaForCausalLM" and doc["model"]["original_length"] == 64
+    specs = doc["model"]["methods"]
+    assert specs["none"] is None
+    assert specs["pi x2"]["method"] == "pi" and specs["pi x2"]["patched_length"] == 128
+    assert specs["yarn x4"]["factor"] == 4.0
+    assert doc["data"]["format"] == "text" and doc["protocol"]["name"] == "sliding"
+    keys = [(r["method"], r["factor"], r["length"]) for r in doc["results"]]
+    assert keys == [(m, f, L) for m, f in (("none", None), ("pi", 2.0), ("yarn", 4.0)) for L in (32, 64, 128)]
+    for r in doc["results"]:
+        assert r["ppl"] > 1 and r["windows"] == 3 and r["tokens"] == 3 * r["length"] // 2
+        assert r["ppl_last_quarter"] > 1 and r["stride"] == r["length"] // 2
+    assert rows_of(out) == doc["results"]
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    table = capsys.readouterr().out
+    assert "perplexity (sliding" in table and "yarn x4" in table and "128" in table
+
+
+def test_chunks_protocol_and_default_methods(gpt2_dir, tmp_path):
+    out = tmp_path / "r.json"
+    rc = run("--model", gpt2_dir, "--data", CORPUS, "--lengths", "32,64", "--protocol", "chunks",
+             "--max-windows", "2", "--output", out)
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]
+    import ctxext
+    from transformers import AutoModelForCausalLM
+
+    fits = list(ctxext.available_methods(AutoModelForCausalLM.from_pretrained(gpt2_dir)))
+    assert [r["method"] for r in rows[::2]] == ["none"] + fits
+    for r in rows:
+        assert r["protocol"] == "chunks" and r["tokens"] == 2 * (r["length"] - 1)
+
+
+def test_resume_skips_finished_rows(llama_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = ["--model", llama_dir, "--data", CORPUS, "--lengths", "32,64", "--methods", "none,ntk",
+            "--factor", "2", "--max-windows", "2", "--output", out]
+    assert run(*args) == 0
+    first = rows_of(out)
+    lines = out.with_suffix(".jsonl").read_text().splitlines()
+    # interrupted after two rows, the third cut mid-line
+    out.with_suffix(".jsonl").write_text("\n".join(lines[:3]) + "\n" + lines[3][:40])
+    capsys.readouterr()
+    assert run(*args, "--resume") == 0
+    assert "resuming: 2 finished row(s)" in capsys.readouterr().err
+    again = json.loads(out.read_text())["results"]
+    assert again[:2] == first[:2]  # kept as written (same timings), not recomputed
+    assert [r["ppl"] for r in again] == pytest.approx([r["ppl"] for r in first], rel=1e-6)
+    # other settings: refuse to mix
+    assert run(*args, "--resume", "--protocol", "chunks") == 2
+    assert "other settings (protocol)" in capsys.readouterr().err
+
+
+def test_data_formats_and_short_documents(llama_dir, tmp_path):
+    text = CORPUS.read_text()
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    (folder / "a.txt").write_text(text[:3000])
+    (folder / "b.txt").write_text("Too short.")
+    jsonl = tmp_path / "docs.jsonl"
+    jsonl.write_text("\n".join(json.dumps({"body": t}) for t in (text[:3000], "Too short.")) + "\n")
+    from datasets import Dataset
+
+    Dataset.from_dict({"text": [text[:3000], "Too short."]}).save_to_disk(str(tmp_path / "ds"))
+    results = []
+    for i, (data, extra) in enumerate(((folder, []), (jsonl, ["--text-field", "body"]), (tmp_path / "ds", []))):
+        out = tmp_path / f"out{i}.json"
+        assert run("--model", llama_dir, "--data", data, *extra, "--lengths", "64", "--methods", "none",
+                   "--max-windows", "2", "--output", out) == 0
+        doc = json.loads(out.read_text())
+        (row,) = doc["results"]
+        assert row["documents_skipped"] == 1 and row["documents_scored"] == 1
+        assert doc["data"]["documents"] == 2
+        results.append(row["ppl"])
+    assert results[0] == pytest.approx(results[1]) == pytest.approx(results[2])
+
+
+def test_unfit_method_reports_and_keeps_the_others(gpt2_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = run("--model", gpt2_dir, "--data", CORPUS, "--lengths", "32", "--methods", "none,yarn,pi",
+             "--factor", "2", "--max-windows", "1", "--output", out)
+    assert rc == 2
+    err = capsys.readouterr().err
+    lines = [l for l in err.splitlines() if "error" in l]
+    assert len(lines) == 1 and "yarn" in lines[0] and "does not fit" in lines[0]
+    doc = json.loads(out.read_text())
+    assert [r["method"] for r in doc["results"]] == ["none", "pi"]
+    assert doc["errors"] and "yarn" in doc["errors"][0]
+
+
+def test_length_longer_than_every_document(llama_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    short = tmp_path / "short.txt"
+    short.write_text(CORPUS.read_text()[:400])
+    rc = run("--model", llama_dir, "--data", short, "--lengths", "32,100000", "--methods", "none",
+             "--max-windows", "1", "--output", out)
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "length 100000 is longer than every document" in err
+    assert [r["length"] for r in json.loads(out.read_text())["results"]] == [32]
+
+
+def test_gpt2_past_its_position_table_is_not_applicable(gpt2_dir, tmp_path):
+    out = tmp_path / "r.json"
+    assert run("--model", gpt2_dir, "--data", CORPUS, "--lengths", "64,128", "--methods", "none",
+               "--max-windows", "1", "--output", out) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert rows[0]["ppl"] > 1 and rows[1]["ppl"] is None and "position table" in rows[1]["not_applicable"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--data", "missing.txt"], "data file not found: missing.txt"),
+        (["--model", "./no-such-model"], "model directory not found"),
+        (["--methods", "none,bogus"], "unknown method 'bogus'"),
+        (["--lengths", "64", "--stride", "64"], "stride must be between 1 and length - 1"),
+        (["--option", "beta_fast=3", "--methods", "pi"], "apply to none of the methods"),
+    ],
+)
+def test_bad_input_one_line_no_traceback(llama_dir, tmp_path, argv, message):
+    argv = list(argv)
+    if "--model" not in argv:
+        argv = ["--model", str(llama_dir)] + argv
+    if "--data" not in argv:
+        argv += ["--data", str(CORPUS)]
+    proc = subprocess.run(
+        [sys.executable, "-m", "ctxext", "eval", "--no-progress", "--output", str(tmp_path / "r.json"), *argv],
+        capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    errors = [l for l in proc.stderr.splitlines() if l.startswith("ctxext eval: error:")]
+    assert len(errors) == 1 and message in errors[0], proc.stderr

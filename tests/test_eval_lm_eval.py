@@ -1,0 +1,80 @@
+"""lm-eval integration: the `ctxext` model type on a local task (offline)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from test_eval_fixtures import CORPUS, save_tiny_llama
+
+TASK = """\
+task: ctxext_tiny_{kind}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: {kind}
+doc_to_text: "{text}"
+doc_to_target: "{target}"
+metric_list:
+{metrics}
+"""
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("lm") / "llama")
+
+
+@pytest.fixture
+def tasks(tmp_path):
+    text = CORPUS.read_text()
+    docs = [{"context": text[i : i + 200], "continuation": text[i + 200 : i + 230], "text": text[i : i + 1500]}
+            for i in range(0, 4500, 1500)]
+    data = tmp_path / "docs.json"
+    data.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "loglik.yaml").write_text(TASK.format(
+        kind="loglikelihood", data=data, text="{{context}}", target="{{continuation}}",
+        metrics="  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"))
+    (folder / "rolling.yaml").write_text(TASK.format(
+        kind="loglikelihood_rolling", data=data, text="", target="{{text}}",
+        metrics="  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"))
+    return folder
+
+
+def test_model_type_patches_and_advertises_the_patched_length(model_dir):
+    import lm_eval.api.registry as registry
+
+    import ctxext.lm_eval_model as m
+
+    assert registry.get_model("ctxext") is m.CtxextLM
+    lm = m.CtxextLM(pretrained=str(model_dir), method="yarn", factor=4, beta_fast=16, device="cpu")
+    assert lm.max_length == 256  # 4 x the original 64
+    assert lm.ctxext_spec["method"] == "yarn" and lm.ctxext_spec["options"]["beta_fast"] == 16.0
+    plain = m.CtxextLM(pretrained=str(model_dir), device="cpu")
+    assert plain.max_length == 64 and plain.ctxext_spec is None
+    with pytest.raises(ValueError, match="without method"):
+        m.CtxextLM(pretrained=str(model_dir), beta_fast=16, device="cpu")
+
+
+def test_ctxext_lm_eval_command_on_a_local_task(model_dir, tasks, tmp_path, capsys):
+    from ctxext.cli import main
+
+    out = tmp_path / "out"
+    rc = main(["lm-eval", "--model", "ctxext", "--model_args",
+               f"pretrained={model_dir},method=yarn,factor=4,dtype=float32", "--device", "cpu",
+               "--tasks", "ctxext_tiny_loglikelihood,ctxext_tiny_loglikelihood_rolling", "--include_path", str(tasks),
+               "--output_path", str(out), "--batch_size", "1"])
+    assert rc == 0
+    (result_file,) = out.rglob("results*.json")
+    results = json.loads(result_file.read_text())
+    assert results["results"]["ctxext_tiny_loglikelihood"]["perplexity,none"] > 1
+    assert results["results"]["ctxext_tiny_loglikelihood_rolling"]["word_perplexity,none"] > 1
+    assert results["config"]["ctxext_patch"]["method"] == "yarn"
+    assert results["config"]["ctxext_patch"]["patched_length"] == 256
