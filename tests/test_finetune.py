@@ -83,7 +83,7 @@ def recipe_dict(bases, out, **sections):
         "data": {"files": [str(bases["data"])], "exclude": ["heldout.txt"]},
         "train": {"steps": 6, "batch_size": 4, "micro_batch_size": 2, "lr": 3e-3, "warmup_steps": 1,
                   "save_every": 2, "gradient_checkpointing": True},
-        "eval": {"data": [str(bases["data"] / "heldout.txt")], "max_windows": 4},
+        "eval": {"data": [str(bases["data"] / "heldout.txt")], "max_windows": 4, "unpatched": True},
         "output": {"dir": str(out)},
     }
     for key, value in sections.items():
@@ -341,3 +341,22 @@ def test_swap_recipes_run(bases, tmp_path, method):
     assert summary["finished"] and summary["seq_length"] == 64
     model = ctxext.from_pretrained(str(bases["llama"]), adapter=str(out))
     assert ctxext.describe(model)["method"] == method
+
+
+@pytest.mark.slow
+def test_two_processes_train_like_one(bases, trained, tmp_path):
+    """torchrun --nproc_per_node 2 (gloo, CPU) with the same global batch follows the single-process loss curve."""
+    _, summary = trained
+    out = tmp_path / "two"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(bases, out)))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "-m", "ctxext", "finetune", str(path), "--no-progress"],
+        capture_output=True, text=True, cwd=REPO, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((out / "results.json").read_text())
+    assert two["world_size"] == 2
+    assert two["losses"] == pytest.approx(summary["losses"], rel=1e-4)
+    assert two["after"]["128"]["ppl"] == pytest.approx(summary["after"]["128"]["ppl"], rel=1e-4)

@@ -106,7 +106,7 @@ def save(out: Path, acc, model, optimizer, scheduler, state: dict, recipe: Recip
 
 def read_state(path: Path) -> dict[str, Any]:
     record = json.loads((Path(path) / STATE).read_text())
-    return {k: record[k] for k in ("step", "tokens", "elapsed", "before", "losses") if k in record}
+    return {k: record[k] for k in ("step", "tokens", "elapsed", "unpatched", "before", "losses") if k in record}
 
 
 def check_compatible(path: Path, recipe: Recipe) -> None:

@@ -121,8 +121,10 @@ class EvalConfig:
     stride: Optional[int] = None
     max_windows: Optional[int] = 8
     batch_size: int = 1
-    #: also evaluate the patched model before training
+    #: also evaluate the patched model before training (training-free)
     before: bool = True
+    #: also evaluate the model as loaded, before the patch
+    unpatched: bool = False
 
 
 @dataclass

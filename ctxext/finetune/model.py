@@ -29,7 +29,8 @@ def reference_dir(name: str) -> Path:
         raise RecipeError(f"model.name: unknown reference checkpoint {name!r}; choose one of "
                           + ", ".join(f"{REFERENCE_PREFIX}{n}" for n in names))
     finder = getattr(reference, "reference_path", None) or getattr(reference, "reference_dir", None)
-    path = Path(finder(name)) if callable(finder) else Path(reference.__file__).parent / "assets" / "reference" / name
+    package = Path(__file__).resolve().parents[1]
+    path = Path(finder(name)) if callable(finder) else package / "assets" / "reference" / name
     if not (path / "config.json").exists():
         raise RecipeError(f"model.name: reference checkpoint {name!r} not found at {path}")
     return path

@@ -103,7 +103,10 @@ def _accumulation(recipe: Recipe, world: int) -> int:
     return per_rank // t.micro_batch_size
 
 
-def _evaluate(recipe: Recipe, model, tokens: torch.Tensor, lengths: list[int], state, progress: bool) -> dict:
+def _evaluate(recipe: Recipe, model, tokens: torch.Tensor, lengths: list[int], state, progress: bool,
+              tolerant: bool = False) -> dict:
+    """Perplexity at each length. ``tolerant``: a length the model cannot run (GPT-2 past its position table)
+    is recorded as ``ppl: None`` with the reason instead of raising."""
     from ..evaluation.perplexity import perplexity
 
     e = recipe.eval
@@ -112,10 +115,16 @@ def _evaluate(recipe: Recipe, model, tokens: torch.Tensor, lengths: list[int], s
     results = {}
     try:
         for length in lengths:
-            r = perplexity(
-                model, tokens, length, protocol=e.protocol, stride=e.stride, max_windows=e.max_windows,
-                batch_size=e.batch_size, progress=progress, state=state,
-            )
+            try:
+                r = perplexity(
+                    model, tokens, length, protocol=e.protocol, stride=e.stride, max_windows=e.max_windows,
+                    batch_size=e.batch_size, progress=progress, state=state,
+                )
+            except (IndexError, RuntimeError) as exc:
+                if not tolerant:
+                    raise
+                results[str(length)] = {"ppl": None, "error": f"{type(exc).__name__}: {str(exc).splitlines()[0]}"}
+                continue
             results[str(length)] = {k: r[k] for k in ("ppl", "ppl_last_quarter", "tokens", "windows", "nll_sum")}
     finally:
         model.train(was_training)
@@ -182,17 +191,27 @@ def run(
     source = model_source(recipe.model)
     say(f"loading {recipe.model.name}" + (f" ({source})" if source != recipe.model.name else ""))
     tokenizer = load_tokenizer(recipe.model)
+    eval_tokens = eval_label = None
+    if recipe.eval.enabled:
+        eval_tokens, eval_label = read_eval_tokens(recipe, tokenizer)
     model = load_model(recipe.model)
     if not checked["checked_architecture"]:
         check_patch(recipe, model)
         check_lora(recipe, model)
+    seq_length = checked.get("seq_length")
+    eval_lengths = list(recipe.eval.lengths) or ([seq_length] if seq_length else [])
+    state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed": 0.0, "unpatched": None, "before": None, "losses": []}
+    resuming = resume and latest is not None
+    if resuming:
+        state.update(ckpt.read_state(latest))
+    elif recipe.eval.enabled and recipe.eval.unpatched and eval_lengths:
+        model.to(acc.device)
+        say(f"perplexity of the unpatched model on {eval_label} at {', '.join(map(str, eval_lengths))} tokens")
+        state["unpatched"] = _evaluate(recipe, model, eval_tokens, eval_lengths, acc.state, progress, tolerant=True)
     spec = apply_patch(recipe, model)
     seq_length = _seq_length(recipe, spec, model)
+    eval_lengths = eval_lengths or [seq_length]
     data = build_packed_data(recipe, tokenizer, seq_length)
-    eval_lengths = list(recipe.eval.lengths) or [seq_length]
-    eval_tokens = eval_label = None
-    if recipe.eval.enabled:
-        eval_tokens, eval_label = read_eval_tokens(recipe, tokenizer)
     tokens_per_step = t.batch_size * seq_length
     say(
         f"patch: {spec['method'] + ' x' + format(spec['factor'] or 1, 'g') if spec else 'none'}; "
@@ -201,11 +220,9 @@ def run(
     )
     model.to(acc.device)
 
-    state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed": 0.0, "before": None, "losses": []}
-    resuming = resume and latest is not None
-    if resuming:
-        state.update(ckpt.read_state(latest))
     if not resuming:
+        if state["unpatched"] is not None:
+            log.write(event="eval", when="unpatched", results=state["unpatched"])
         log.write(event="start", recipe=recipe.to_dict(), world_size=world, accumulation=accum,
                   seq_length=seq_length, sequences=len(data), patch=spec, device=str(acc.device))
         if main:
@@ -326,6 +343,7 @@ def run(
         "final_loss": state["losses"][-1] if state["losses"] else None,
         "losses": state["losses"],
         "eval_data": eval_label,
+        "unpatched": state["unpatched"],
         "before": state["before"],
         "after": after,
     }
@@ -373,10 +391,13 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"{summary['train_seconds']:.0f} s, final loss {summary['final_loss']:.4f}",
         f"adapter: {summary['output']}",
     ]
+    unpatched = summary.get("unpatched") or {}
     before, after = summary.get("before") or {}, summary.get("after") or {}
+    fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
     for length in after or before:
         b = before.get(length, {}).get("ppl")
         a = after.get(length, {}).get("ppl")
-        fmt = lambda x: "n/a" if x is None else f"{x:.2f}"  # noqa: E731
-        lines.append(f"perplexity at {length} tokens on {summary['eval_data']}: before {fmt(b)} -> after {fmt(a)}")
+        u = f"unpatched {fmt(unpatched[length].get('ppl'))}, " if length in unpatched else ""
+        lines.append(f"perplexity at {length} tokens on {summary['eval_data']}: {u}"
+                     f"before training {fmt(b)} -> after {fmt(a)}")
     return "\n".join(lines)
