@@ -78,3 +78,23 @@ def test_ctxext_lm_eval_command_on_a_local_task(model_dir, tasks, tmp_path, caps
     assert results["results"]["ctxext_tiny_loglikelihood_rolling"]["word_perplexity,none"] > 1
     assert results["config"]["ctxext_patch"]["method"] == "yarn"
     assert results["config"]["ctxext_patch"]["patched_length"] == 256
+
+
+@pytest.mark.slow
+def test_ruler_niah_single_1_offline(model_dir, tmp_path, monkeypatch):
+    """RULER's niah_single_1 builds its haystack locally (repeated text): it runs offline once lm-eval's
+    `ruler` extra (wonderwords, nltk) is installed. A random tiny model scores about 0."""
+    pytest.importorskip("wonderwords")
+    pytest.importorskip("nltk")
+    from ctxext.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = tmp_path / "out"
+    rc = main(["lm-eval", "--model", "ctxext", "--model_args", f"pretrained={model_dir},method=yarn,factor=8",
+               "--device", "cpu", "--tasks", "niah_single_1", "--metadata", '{"max_seq_lengths":[512]}',
+               "--limit", "2", "--output_path", str(out), "--batch_size", "1"])
+    assert rc == 0
+    (result_file,) = out.rglob("results*.json")
+    results = json.loads(result_file.read_text())["results"]["niah_single_1"]
+    assert 0 <= results["512,none"] <= 1

@@ -108,3 +108,22 @@ def test_short_documents_are_skipped_and_counted():
     assert capped["windows"] == 2 and capped["documents_unused"] == 1
     empty = perplexity(model, docs[0], 32, progress=False)
     assert empty["ppl"] is None and empty["windows"] == 0 and empty["documents_skipped"] == 1
+
+
+def test_logits_after_the_output_layer_are_respected():
+    """Models that change logits after the output layer (Gemma 2's soft-capping) are scored from the logits."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from ctxext.evaluation.perplexity import _head_path_ok
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=0.5,
+                       max_position_embeddings=64)
+    model = Gemma2ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (70,), generator=torch.Generator().manual_seed(6))
+    assert not _head_path_ok(model, ids[None])
+    assert _head_path_ok(tiny_llama(), ids[None])
+    res = perplexity(model, ids, 32, protocol="sliding", stride=8, progress=False)
+    nlls = _brute_force(model, ids, plan_windows(70, 32, "sliding", 8))
+    assert res["nll_sum"] == pytest.approx(sum(n for n, _ in nlls), rel=1e-5)

@@ -30,25 +30,34 @@ def register(sub) -> None:
 
 def run(args) -> int:
     try:
-        from lm_eval._cli import HarnessCLI
+        import lm_eval  # noqa: F401
     except ImportError:
         raise OSError("`ctxext lm-eval` needs lm-eval: pip install 'ctxext[eval]'") from None
-    from lm_eval.utils import setup_logging
-
     from .. import lm_eval_model  # noqa: F401  registers --model ctxext
 
     argv = list(args.lm_eval_args)
     if argv and argv[0] == "--":
         argv = argv[1:]
-    setup_logging()
-    parser = HarnessCLI()
     saved = sys.argv
-    sys.argv = ["lm-eval"] + argv
+    sys.argv = ["lm-eval"] + argv  # lm-eval's parser reads sys.argv
     try:
-        parsed = parser.parse_args()  # reads sys.argv (inserts `run` when no subcommand)
-        parser.execute(parsed)
+        _lm_eval_main()
     except SystemExit as exc:
-        return int(exc.code or 0) if not isinstance(exc.code, str) else 2
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     finally:
         sys.argv = saved
     return 0
+
+
+def _lm_eval_main() -> None:
+    try:  # lm-eval >= 0.4.9: subcommands (run / ls / validate); `run` is inserted when none is given
+        from lm_eval._cli import HarnessCLI
+        from lm_eval.utils import setup_logging
+    except ImportError:  # older lm-eval: one flat command
+        from lm_eval.__main__ import cli_evaluate
+
+        cli_evaluate()
+        return
+    setup_logging()
+    parser = HarnessCLI()
+    parser.execute(parser.parse_args())

@@ -35,31 +35,113 @@ def _input_device(model) -> torch.device:
     return next(model.parameters()).device
 
 
-def _forward_logits(model, input_ids: torch.Tensor, keep: int) -> tuple[torch.Tensor, int]:
-    """Logits of the last ``keep`` positions when the model supports ``logits_to_keep``, else all.
-    Returns the logits and the window position of their first row."""
+class _Rows:
+    """Logits of one forward pass, by window position, made float32 a chunk at a time.
+
+    Either the model's logits, or (when ``head`` is set) the final hidden states with the output
+    layer still to apply: then the (positions x vocabulary) logits never exist all at once.
+    """
+
+    def __init__(self, values: torch.Tensor, first_row: int, head=None):
+        self.values, self.first_row, self.head = values, first_row, head
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    def get(self, item: int, lo: int, hi: int) -> torch.Tensor:
+        rows = self.values[item, lo - self.first_row : hi - self.first_row]
+        return (self.head(rows) if self.head is not None else rows).float()
+
+
+def _call(model, input_ids: torch.Tensor, keep: int):
     mask = torch.ones_like(input_ids)
     try:
-        out = model(input_ids=input_ids, attention_mask=mask, use_cache=False, logits_to_keep=keep)
+        return model(input_ids=input_ids, attention_mask=mask, use_cache=False, logits_to_keep=keep)
     except TypeError as exc:
         if "logits_to_keep" not in str(exc):
             raise
-        out = model(input_ids=input_ids, attention_mask=mask, use_cache=False)
-    logits = out.logits
-    return logits, input_ids.shape[1] - logits.shape[1]
+        return model(input_ids=input_ids, attention_mask=mask, use_cache=False)
 
 
-def _window_nll(logits: torch.Tensor, first_row: int, ids: torch.Tensor, window: Window) -> tuple[float, int, float, int]:
+class _CaptureHead:
+    """Swap the output layer for one that keeps its input (the final hidden states) and returns a stub."""
+
+    def __init__(self, head: torch.nn.Module):
+        self.head = head
+        self.forward = head.forward  # accelerate's device hooks included, if any
+        self.hidden: torch.Tensor | None = None
+
+    def __enter__(self):
+        def capture(hidden, *args, **kwargs):
+            self.hidden = hidden
+            return hidden.new_zeros(hidden.shape[:-1] + (1,))
+
+        self.had_own = "forward" in vars(self.head)
+        self.head.forward = capture
+        return self
+
+    def __exit__(self, *exc):
+        if self.had_own:
+            self.head.forward = self.forward
+        else:
+            del self.head.forward
+
+
+_HEAD_OK: "weakref.WeakKeyDictionary" = None  # model -> whether the hidden-state path reproduces its logits
+
+
+def _head_path_ok(model, input_ids: torch.Tensor) -> bool:
+    """Whether logits = output layer(final hidden states) for this model (no soft-capping or scaling
+    after the output layer): checked once per model on a few tokens."""
+    import weakref
+
+    global _HEAD_OK
+    if _HEAD_OK is None:
+        _HEAD_OK = weakref.WeakKeyDictionary()
+    try:
+        return _HEAD_OK[model]
+    except (KeyError, TypeError):
+        pass
+    ok = False
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, torch.nn.Module):
+        probe = input_ids[:1, : min(16, input_ids.shape[1])]
+        reference = _call(model, probe, probe.shape[1]).logits[0].float()
+        with _CaptureHead(head) as cap:
+            _call(model, probe, probe.shape[1])
+        if cap.hidden is not None and cap.hidden.shape[1] == probe.shape[1]:
+            mine = cap.forward(cap.hidden[0]).float()
+            ok = mine.shape == reference.shape and torch.allclose(mine, reference, rtol=1e-4, atol=1e-4)
+    try:
+        _HEAD_OK[model] = ok
+    except TypeError:
+        pass
+    return ok
+
+
+def _forward_rows(model, input_ids: torch.Tensor, keep: int) -> _Rows:
+    """The scores of the last ``keep`` positions of ``input_ids`` (all positions if the model cannot limit them)."""
+    if _head_path_ok(model, input_ids):
+        head = model.get_output_embeddings()
+        with _CaptureHead(head) as cap:
+            _call(model, input_ids, keep)
+        return _Rows(cap.hidden, input_ids.shape[1] - cap.hidden.shape[1], cap.forward)
+    logits = _call(model, input_ids, keep).logits
+    return _Rows(logits, input_ids.shape[1] - logits.shape[1])
+
+
+def _window_nll(rows: _Rows, item: int, ids: torch.Tensor, window: Window) -> tuple[float, int, float, int]:
     """(nll_sum, tokens, nll_sum_last_quarter, tokens_last_quarter) of one window's scored targets."""
     rel_first = window.first_target - window.begin  # in-window position of the first target
-    targets = ids[window.first_target : window.end].to(logits.device)
+    targets = ids[window.first_target : window.end].to(rows.device)
     q_start = last_quarter_start(window.length)
     nll_sum = 0.0
     nll_q = 0.0
     for lo in range(0, targets.numel(), _CE_CHUNK):
         hi = min(lo + _CE_CHUNK, targets.numel())
-        rows = logits[rel_first - 1 + lo - first_row : rel_first - 1 + hi - first_row].float()
-        nll = F.cross_entropy(rows, targets[lo:hi], reduction="none").double()
+        scores = rows.get(item, rel_first - 1 + lo, rel_first - 1 + hi)
+        nll = F.cross_entropy(scores, targets[lo:hi].to(scores.device), reduction="none").double()
         nll_sum += nll.sum().item()
         q_lo = max(0, q_start - (rel_first + lo))  # index into this piece where the last quarter begins
         if q_lo < nll.numel():
@@ -102,10 +184,10 @@ def score_windows(
         batch = mine[lo : lo + batch_size]
         input_ids = torch.stack([ids[w.begin : w.end] for _, (ids, w) in batch]).to(device)
         keep = max(w.n_targets for _, (_, w) in batch) + 1
-        logits, first_row = _forward_logits(model, input_ids, keep)
-        for row, (index, (ids, w)) in enumerate(batch):
-            scores.append((index, _window_nll(logits[row], first_row, ids, w)))
-        del logits
+        rows = _forward_rows(model, input_ids, keep)
+        for item, (index, (ids, w)) in enumerate(batch):
+            scores.append((index, _window_nll(rows, item, ids, w)))
+        del rows
         bar.update(len(batch) * (state.num_processes if distributed else 1))
     bar.close()
     if distributed:

@@ -1,0 +1,73 @@
+"""`ctxext demo` / `ctxext eval` without --model: every reference model, every method that fits it."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+
+import pytest
+
+import ctxext
+from ctxext.cli import main
+
+from test_eval_fixtures import CORPUS, build_tokenizer
+
+TRAIN = 32
+
+
+@pytest.fixture
+def fake_reference(tmp_path, monkeypatch):
+    """A stand-in for ctxext.reference: tiny random models 'trained' at 32 tokens."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    import torch
+
+    tok_dir = build_tokenizer(tmp_path / "tok")
+
+    def reference_model(name):
+        torch.manual_seed(0)
+        if name == "llama":
+            return LlamaForCausalLM(LlamaConfig(
+                vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=TRAIN, attn_implementation="sdpa")).eval()
+        return GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=4, n_positions=TRAIN)).eval()
+
+    fake = types.ModuleType("ctxext.reference")
+    fake.REFERENCE_NAMES = ("llama", "gpt2")
+    fake.TRAIN_LENGTH = TRAIN
+    fake.reference_model = reference_model
+    fake.reference_tokenizer = lambda name: AutoTokenizer.from_pretrained(tok_dir)
+    fake.reference_text = lambda: CORPUS.read_text()
+    monkeypatch.setitem(sys.modules, "ctxext.reference", fake)
+    monkeypatch.setattr(ctxext, "reference", fake, raising=False)
+    return fake
+
+
+@pytest.mark.parametrize("command", [["demo"], ["eval"]])
+def test_default_run_covers_every_fitting_method(fake_reference, tmp_path, capsys, command):
+    out, png = tmp_path / "demo.json", tmp_path / "demo.png"
+    rc = main(command + ["--no-progress", "--device", "cpu", "--max-windows", "2", "--output", str(out), "--plot", str(png)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [m["label"] for m in doc["models"]] == ["llama", "gpt2"]
+    assert doc["data"]["format"] == "bundled"
+    for name in ("llama", "gpt2"):
+        model = fake_reference.reference_model(name)
+        expected = ["none"] + list(ctxext.available_methods(model))
+        rows = [r for r in doc["results"] if r["model"] == name]
+        assert sorted({r["method"] for r in rows}) == sorted(expected)
+        for method in expected:
+            assert sorted(r["length"] for r in rows if r["method"] == method) == [TRAIN, 2 * TRAIN, 4 * TRAIN, 8 * TRAIN]
+        patched = [r for r in rows if r["method"] not in ("none", "alibi", "nope") and r["factor"] is not None]
+        assert all(r["factor"] == 8.0 for r in patched)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    text = capsys.readouterr().out
+    assert "llama (trained to 32 tokens)" in text and "gpt2 (trained to 32 tokens)" in text
+
+
+def test_demo_without_reference_models_is_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "ctxext.reference", None)  # import fails
+    monkeypatch.delattr(ctxext, "reference", raising=False)
+    assert main(["demo", "--no-progress", "--output", str(tmp_path / "d.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "reference models are not part of this installation" in err[0]
