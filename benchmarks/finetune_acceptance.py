@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Acceptance runs of the fine-tune recipes on the shipped LLaMA reference checkpoint (CPU, minutes each).
+
+    python benchmarks/finetune_acceptance.py [--steps-pi N] [--steps-alibi N] [--only pi|alibi|...] [--out DIR]
+
+1. ``recipes/tiny/llama_pi_lora.yaml``: PI x4 + LoRA at 4x the training length (1024 tokens). Expected:
+   held-out perplexity at 4x below training-free PI's at 4x.
+2. ``recipes/tiny/llama_alibi_lora.yaml``: ALiBi swap + LoRA at 1x (256 tokens). Expected: LoRA recovers
+   most of the swap's loss at 1x: (loss_swap - loss_after) / (loss_swap - loss_original) > 0.5, in nats/token.
+
+Optional extras (``--only``): ``yarn``, ``nope``, ``gpt2`` (the other tiny recipes).
+Writes ``benchmarks/finetune_report.json`` and ``benchmarks/finetune_report.md`` with machine and date.
+Needs ``../shared/data/austen`` beside the checkout (the training novels).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+RUNS = {
+    "pi": ("recipes/tiny/llama_pi_lora.yaml", "LLaMA reference, PI x4 + LoRA at 1024 tokens (4x)"),
+    "alibi": ("recipes/tiny/llama_alibi_lora.yaml", "LLaMA reference, ALiBi swap + LoRA at 256 tokens (1x)"),
+    "yarn": ("recipes/tiny/llama_yarn_lora.yaml", "LLaMA reference, YaRN x4 + LoRA at 1024 tokens (4x)"),
+    "nope": ("recipes/tiny/llama_nope_lora.yaml", "LLaMA reference, NoPE + LoRA at 256 tokens (1x)"),
+    "gpt2": ("recipes/tiny/gpt2_pi_lora.yaml", "GPT-2 reference, PI x4 (table trained) + LoRA at 1024 tokens (4x)"),
+}
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def nats(ppl: float | None) -> float | None:
+    return None if ppl is None else math.log(ppl)
+
+
+def run_one(key: str, steps: int | None, out_root: Path) -> dict:
+    from ctxext.finetune import load_recipe, run
+
+    recipe_path, title = RUNS[key]
+    overrides = [f"output.dir={out_root / key}", "output.overwrite=true"]
+    if steps:
+        overrides.append(f"train.steps={steps}")
+    recipe = load_recipe(ROOT / recipe_path, overrides)
+    tic = time.perf_counter()
+    summary = run(recipe, progress=sys.stderr.isatty())
+    summary["wall_seconds"] = round(time.perf_counter() - tic, 1)
+    summary["recipe"] = recipe_path
+    summary["title"] = title
+    summary["overrides"] = overrides
+    return summary
+
+
+def judge(key: str, s: dict) -> dict:
+    """The acceptance criterion of a run, from its summary."""
+    if key in ("pi", "yarn", "gpt2"):
+        length = str(s["seq_length"])
+        free, tuned = s["before"][length]["ppl"], s["after"][length]["ppl"]
+        return {"criterion": f"fine-tuned ppl at {length} < training-free ppl at {length}",
+                "training_free": free, "fine_tuned": tuned, "pass": tuned < free}
+    if key in ("alibi", "nope"):
+        length = str(s["seq_length"])
+        orig, swap, tuned = (s["unpatched"][length]["ppl"], s["before"][length]["ppl"], s["after"][length]["ppl"])
+        recovered = (nats(swap) - nats(tuned)) / (nats(swap) - nats(orig)) if swap != orig else float("nan")
+        return {"criterion": f"LoRA recovers > 50% of the swap's loss at {length} (nats/token)",
+                "original": orig, "swapped": swap, "fine_tuned": tuned, "recovered_fraction": recovered,
+                "pass": recovered > 0.5}
+    raise KeyError(key)
+
+
+def fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
+
+
+def write_report(results: dict, info: dict) -> None:
+    (ROOT / "benchmarks" / "finetune_report.json").write_text(json.dumps({**info, "runs": results}, indent=2) + "\n")
+    lines = [
+        "# Fine-tune recipes: acceptance on the reference checkpoints",
+        "",
+        f"Date: {info['date']}. Machine: {info['machine']['cpu']}, {info['machine']['cores']} cores, "
+        f"torch {info['machine']['torch']} (CPU, {info['machine']['torch_threads']} threads), "
+        f"transformers {info['machine']['transformers']}.",
+        "Produced by `python benchmarks/finetune_acceptance.py`; numbers in `finetune_report.json`.",
+        "Held-out perplexity on Emma (not in the training novels), `chunks` windows, first windows of the book.",
+        "",
+        "| run | steps x batch x length | train time | length | unpatched | patched, training-free | patched + LoRA | "
+        "criterion | pass |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, s in results.items():
+        verdict = s["acceptance"]
+        train = s["recipe_train"]
+        for length in s["after"]:
+            crit = verdict["criterion"] if length == str(s["seq_length"]) else ""
+            ok = ("yes" if verdict["pass"] else "**no**") if crit else ""
+            if crit and "recovered_fraction" in verdict:
+                crit += f": {100 * verdict['recovered_fraction']:.0f}% recovered"
+            lines.append(
+                f"| {s['title']} | {s['steps']} x {train['batch_size']} x {s['seq_length']} | "
+                f"{s['train_seconds']:.0f} s | {length} | {fmt((s.get('unpatched') or {}).get(length, {}).get('ppl'))} | "
+                f"{fmt(s['before'][length]['ppl'])} | {fmt(s['after'][length]['ppl'])} | {crit} | {ok} |"
+            )
+    lines += ["", "Final training loss per run: " + ", ".join(
+        f"{k} {s['final_loss']:.3f}" for k, s in results.items()) + ".", ""]
+    (ROOT / "benchmarks" / "finetune_report.md").write_text("\n".join(lines))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="+", choices=list(RUNS), default=["pi", "alibi"])
+    p.add_argument("--steps-pi", type=int, default=None, help="override train.steps of the PI run")
+    p.add_argument("--steps-alibi", type=int, default=None, help="override train.steps of the ALiBi run")
+    p.add_argument("--out", type=Path, default=ROOT / "out" / "finetune-acceptance")
+    p.add_argument("--keep", action="store_true", help="merge into an existing finetune_report.json")
+    args = p.parse_args()
+
+    import torch
+    import yaml
+
+    report = ROOT / "benchmarks" / "finetune_report.json"
+    results = {}
+    if args.keep and report.exists():
+        results = json.loads(report.read_text()).get("runs", {})
+    for key in args.only:
+        steps = {"pi": args.steps_pi, "alibi": args.steps_alibi}.get(key)
+        s = run_one(key, steps, args.out)
+        s["recipe_train"] = yaml.safe_load((args.out / key / "recipe.yaml").read_text())["train"]
+        s["acceptance"] = judge(key, s)
+        s.pop("losses_all", None)
+        results[key] = s
+        print(f"{key}: {json.dumps(s['acceptance'])}", flush=True)
+        info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                "machine": machine(), "torch_threads": torch.get_num_threads()}
+        write_report(results, info)
+    return 0 if all(r["acceptance"]["pass"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
