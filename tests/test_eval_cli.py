@@ -170,3 +170,48 @@ def test_bad_input_one_line_no_traceback(llama_dir, tmp_path, argv, message):
     assert "Traceback" not in proc.stderr
     errors = [l for l in proc.stderr.splitlines() if l.startswith("ctxext eval: error:")]
     assert len(errors) == 1 and message in errors[0], proc.stderr
+
+
+def test_adapter_directory_brings_its_patch(llama_dir, tmp_path):
+    """--adapter DIR: a LoRA adapter saved with its ctxext patch is evaluated with that patch by default."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    import ctxext
+
+    model = ctxext.patch(AutoModelForCausalLM.from_pretrained(llama_dir), "yarn", 2)
+    adapter = tmp_path / "adapter"
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"])).save_pretrained(adapter)
+    (adapter / "ctxext_patch.json").write_text(json.dumps(ctxext.describe(model)))
+    out = tmp_path / "r.json"
+    assert run("--model", llama_dir, "--adapter", adapter, "--data", CORPUS, "--lengths", "64,128",
+               "--max-windows", "1", "--output", out) == 0
+    doc = json.loads(out.read_text())
+    assert doc["model"]["loaded_patch"]["method"] == "yarn" and doc["model"]["adapter"] == str(adapter)
+    assert [(r["method"], r["factor"]) for r in doc["results"]] == [("yarn", 2.0)] * 2
+
+
+def test_ctrl_c_keeps_finished_rows(llama_dir, tmp_path, monkeypatch, capsys):
+    import ctxext.evaluation.runner as runner
+
+    real, calls = runner.score_documents, []
+
+    def interrupted_on_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "score_documents", interrupted_on_third)
+    out = tmp_path / "r.json"
+    args = ["--model", llama_dir, "--data", CORPUS, "--lengths", "32,64", "--methods", "none,pi", "--factor", "2",
+            "--max-windows", "1", "--output", out]
+    assert run(*args) == 130
+    doc = json.loads(out.read_text())
+    assert doc["interrupted"] is True and len(doc["results"]) == 2 and len(rows_of(out)) == 2
+    monkeypatch.setattr(runner, "score_documents", real)
+    capsys.readouterr()
+    assert run(*args, "--resume") == 0
+    assert "resuming: 2 finished row(s)" in capsys.readouterr().err
+    assert len(json.loads(out.read_text())["results"]) == 4

@@ -161,7 +161,7 @@ def run_eval(args) -> int:
         if model_id.startswith((".", "/", "~")) and not Path(model_id).exists():
             raise FileNotFoundError(f"model directory not found: {model_id}")
         jobs = [ModelJob(
-            label=Path(model_id).name if Path(model_id).exists() else model_id,
+            label=_model_label(model_id, args.gguf_file),
             load_tokenizer=lambda: load_tokenizer(model_id, gguf_file=args.gguf_file),
             load_model=lambda: load_model(model_id, gguf_file=args.gguf_file, adapter=args.adapter,
                                           dtype=args.dtype, device=device, state=state),
@@ -222,6 +222,13 @@ def run_eval(args) -> int:
     if not rows and not outcome.errors:
         raise ValueError("nothing was evaluated")
     return 2 if outcome.errors else 0
+
+
+def _model_label(model_id: str, gguf_file: str | None) -> str:
+    if gguf_file:
+        return Path(gguf_file).name.removesuffix(".gguf")
+    path = Path(model_id)
+    return path.resolve().name if path.exists() else model_id
 
 
 def _plot_title(document: dict) -> str:
