@@ -8,6 +8,7 @@ and each optimizer step consumes the same sequences whatever the number of proce
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
@@ -141,7 +142,7 @@ def run(
     """Run a recipe. ``resume`` continues from the newest checkpoint in ``output.dir``; ``stop_after`` ends
     this invocation after that many optimizer steps (with a checkpoint), as an interruption would.
     Returns the run summary (also written to ``output.dir/results.json``)."""
-    from accelerate import Accelerator
+    from accelerate import Accelerator, DistributedType
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
     from transformers import get_scheduler
@@ -244,12 +245,19 @@ def run(
     n_train, n_total = count_parameters(model)
     say(f"LoRA r={recipe.lora.r}: {n_train:,} trainable of {n_total:,} parameters "
         f"({100 * n_train / n_total:.2f}%)")
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+
+    def make_optimizer(m):
+        trainable = [p for p in m.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+
+    if acc.distributed_type == DistributedType.DEEPSPEED:  # DeepSpeed wants both at once
+        model, optimizer = acc.prepare(model, make_optimizer(model))
+    else:  # FSDP wants the optimizer built on the wrapped model's parameters
+        model = acc.prepare(model)
+        optimizer = acc.prepare(make_optimizer(model))
     # The scheduler is stepped once per optimizer step by hand: accelerate's wrapper would step it once per
     # process, making the schedule depend on the process count.
     scheduler = get_scheduler(t.scheduler, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.steps)
-    model, optimizer = acc.prepare(model, optimizer)
 
     if resuming:
         ckpt.load(latest, acc, model, optimizer, scheduler)
@@ -273,13 +281,13 @@ def run(
         for i, batch in enumerate(batches):
             batch = batch.to(acc.device)
             sync = i == len(batches) - 1
-            with acc.no_sync(model) if not sync else _null():
+            with acc.no_sync(model) if not sync else contextlib.nullcontext():
                 loss = model(input_ids=batch, labels=batch, use_cache=False).loss
                 acc.backward(loss / accum)
             total += loss.detach().double()
         grad_norm = None
         if t.max_grad_norm:
-            grad_norm = acc.clip_grad_norm_(params, t.max_grad_norm)
+            grad_norm = acc.clip_grad_norm_(model.parameters(), t.max_grad_norm)
         lr = scheduler.get_last_lr()[0]
         optimizer.step()
         scheduler.step()
@@ -372,14 +380,6 @@ def run(
 def _has_accelerator() -> bool:
     probe = getattr(getattr(torch, "accelerator", None), "is_available", None)
     return bool(probe()) if callable(probe) else torch.cuda.is_available()
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def format_summary(summary: dict[str, Any]) -> str:
