@@ -46,7 +46,7 @@ def fake_reference(tmp_path, monkeypatch):
 @pytest.mark.parametrize("command", [["demo"], ["eval"]])
 def test_default_run_covers_every_fitting_method(fake_reference, tmp_path, capsys, command):
     out, png = tmp_path / "demo.json", tmp_path / "demo.png"
-    rc = main(command + ["--no-progress", "--device", "cpu", "--max-windows", "2", "--output", str(out), "--plot", str(png)])
+    rc = main(command + ["--no-progress", "--device", "cpu", "--max-windows", "1", "--output", str(out), "--plot", str(png)])
     assert rc == 0
     doc = json.loads(out.read_text())
     assert [m["label"] for m in doc["models"]] == ["llama", "gpt2"]

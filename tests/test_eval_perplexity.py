@@ -97,6 +97,19 @@ def test_batching_does_not_change_results():
     assert three["tokens"] == one["tokens"]
 
 
+def test_max_windows_spreads_over_the_text():
+    from ctxext.evaluation.perplexity import spread
+
+    assert spread(10, 3) == [1, 5, 8] and spread(4, 10) == [0, 1, 2, 3] and spread(100, 1) == [50]
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (400,), generator=torch.Generator().manual_seed(7))
+    full = plan_windows(400, 32, "sliding", 16)
+    res = perplexity(model, ids, 32, protocol="sliding", stride=16, max_windows=3, progress=False)
+    nlls = _brute_force(model, ids, [full[i] for i in spread(len(full), 3)])
+    assert res["windows"] == 3 and res["tokens"] == len(nlls) == 48
+    assert res["nll_sum"] == pytest.approx(sum(n for n, _ in nlls), rel=1e-5)
+
+
 def test_short_documents_are_skipped_and_counted():
     model = tiny_llama()
     g = torch.Generator().manual_seed(5)
@@ -105,7 +118,9 @@ def test_short_documents_are_skipped_and_counted():
     assert res["documents_skipped"] == 2 and res["documents_scored"] == 2
     assert res["tokens"] == 79 + 63
     capped = score_documents(model, docs, 32, protocol="chunks", max_windows=2, progress=False)
-    assert capped["windows"] == 2 and capped["documents_unused"] == 1
+    assert capped["windows"] == 2 and capped["documents_unused"] == 0  # one window from each long document
+    one = score_documents(model, docs, 32, protocol="chunks", max_windows=1, progress=False)
+    assert one["windows"] == 1 and one["documents_scored"] == 1 and one["documents_unused"] == 1
     empty = perplexity(model, docs[0], 32, progress=False)
     assert empty["ppl"] is None and empty["windows"] == 0 and empty["documents_skipped"] == 1
 

@@ -84,7 +84,7 @@ def add_eval_arguments(p, *, demo: bool) -> None:
                    "or chunks (consecutive windows, every token scored)")
     g.add_argument("--stride", type=_positive, help="sliding stride (default: half the length)")
     g.add_argument("--max-windows", type=_positive,
-                   help="at most N windows per (method, length)" + (" (default: %(default)s)" if demo else ""))
+                   help="at most N windows per (method, length), spread evenly over the text" + (" (default: %(default)s)" if demo else ""))
     g.add_argument("--batch-size", type=_positive, default=1, help="windows per forward pass (default: 1)")
     g = p.add_argument_group("passkey retrieval")
     g.add_argument("--passkey", action="store_true", help="also run synthetic passkey retrieval")

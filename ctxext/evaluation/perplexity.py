@@ -215,6 +215,13 @@ def summarize(scores: Sequence[tuple[float, int, float, int]]) -> dict[str, Any]
     }
 
 
+def spread(total: int, count: int) -> list[int]:
+    """``count`` indices spread evenly over ``range(total)`` (all of them if ``count >= total``)."""
+    if count >= total:
+        return list(range(total))
+    return [int((i + 0.5) * total / count) for i in range(count)]
+
+
 def _as_ids(token_ids) -> torch.Tensor:
     ids = torch.as_tensor(token_ids)
     if ids.dim() == 2 and ids.shape[0] == 1:
@@ -263,25 +270,29 @@ def score_documents(
 ) -> dict[str, Any]:
     """Perplexity over several documents at window ``length``: all their windows pooled.
 
-    Documents shorter than ``length`` are skipped and counted (``documents_skipped``);
-    ``max_windows`` caps the windows in total, taken in document order (long-enough documents left
-    out by the cap are counted in ``documents_unused``).
+    Documents shorter than ``length`` are skipped and counted (``documents_skipped``). ``max_windows``
+    caps the windows in total: they are spread evenly over all documents' windows (every k-th window of
+    the full plan), so a capped run samples the whole text, not its beginning; long-enough documents
+    that get no window are counted in ``documents_unused``.
     """
     stride = check_protocol(protocol, length, stride)
-    items: list[tuple[torch.Tensor, Window]] = []
-    scored_docs = skipped = unused = 0
-    for doc in documents:
+    plan: list[tuple[int, torch.Tensor, Window]] = []
+    skipped = 0
+    long_enough = set()
+    for number, doc in enumerate(documents):
         ids = _as_ids(doc)
         if ids.numel() < length:
             skipped += 1
             continue
-        room = None if max_windows is None else max_windows - len(items)
-        if room is not None and room <= 0:
-            unused += 1  # long enough, but the window cap was reached before it
-            continue
-        windows = plan_windows(ids.numel(), length, protocol, stride, room)
-        items.extend((ids, w) for w in windows)
-        scored_docs += 1
+        long_enough.add(number)
+        plan.extend((number, ids, w) for w in plan_windows(ids.numel(), length, protocol, stride))
+    if max_windows is not None:
+        if max_windows < 1:
+            raise ValueError(f"max_windows must be >= 1, got {max_windows}")
+        plan = [plan[i] for i in spread(len(plan), max_windows)]
+    items = [(ids, w) for _, ids, w in plan]
+    scored_docs = len({number for number, _, _ in plan})
+    unused = len(long_enough) - scored_docs
     scores = score_windows(
         model, items, batch_size=batch_size, progress=progress, state=state,
         desc=desc or f"{protocol} L={length}",
