@@ -57,6 +57,8 @@ def _positive(text: str) -> int:
 
 
 def add_eval_arguments(p, *, demo: bool) -> None:
+    from ..evaluation.demo import DEMO_MAX_TOKENS
+
     g = p.add_argument_group("model")
     if not demo:
         g.add_argument("--model", help="hub id, local directory, or directory holding --gguf-file "
@@ -84,8 +86,13 @@ def add_eval_arguments(p, *, demo: bool) -> None:
                    "or chunks (consecutive windows, every token scored)")
     g.add_argument("--stride", type=_positive, help="sliding stride (default: half the length)")
     g.add_argument("--max-windows", type=_positive,
-                   help="at most N windows per (method, length), spread evenly over the text" + (" (default: %(default)s)" if demo else ""))
-    g.add_argument("--batch-size", type=_positive, default=1, help="windows per forward pass (default: 1)")
+                   help="at most N windows per (method, length), spread evenly over the text")
+    g.add_argument("--max-tokens", type=_positive,
+                   help="at most N tokens fed per (method, length), i.e. N // length windows (at least 1), spread "
+                   "evenly over the text" + (f" (default without --max-windows: {DEMO_MAX_TOKENS})" if demo else
+                   f" (default: no cap; {DEMO_MAX_TOKENS} without --model)"))
+    g.add_argument("--batch-size", type=_positive,
+                   help="windows per forward pass (default: about 2048 tokens' worth, at most 16, at least 1)")
     g = p.add_argument_group("passkey retrieval")
     g.add_argument("--passkey", action="store_true", help="also run synthetic passkey retrieval")
     g.add_argument("--passkey-depths", type=_floats, default=DEFAULT_DEPTHS, help="needle depths (default: 0,.25,.5,.75,1)")
@@ -100,8 +107,6 @@ def add_eval_arguments(p, *, demo: bool) -> None:
 
 
 def register(sub) -> None:
-    from ..evaluation.demo import DEMO_MAX_WINDOWS
-
     p = sub.add_parser("eval", help="perplexity / passkey of patched models at several lengths",
                        description="Evaluate one model under several patches and lengths; without --model, "
                        "run the default offline evaluation of the reference models (as `ctxext demo`).")
@@ -112,7 +117,7 @@ def register(sub) -> None:
                        "at a short context) on the held-out book at 1x, 2x, 4x and 8x their training length, "
                        "for every method that fits each; prints the table and writes JSON and a plot.")
     add_eval_arguments(d, demo=True)
-    d.set_defaults(func=run_eval, max_windows=DEMO_MAX_WINDOWS, model=None, gguf_file=None, adapter=None)
+    d.set_defaults(func=run_eval, model=None, gguf_file=None, adapter=None)
 
 
 def _machine(device: str) -> dict:
@@ -129,7 +134,7 @@ def run_eval(args) -> int:
     from .. import __version__
     from ..evaluation import report
     from ..evaluation.data import load_texts
-    from ..evaluation.demo import DEMO_MAX_WINDOWS, demo_jobs, demo_lengths, reference_texts
+    from ..evaluation.demo import DEMO_MAX_TOKENS, demo_jobs, demo_lengths, reference_texts
     from ..evaluation.device import make_state, resolve_device
     from ..evaluation.models import load_model, load_tokenizer
     from ..evaluation.results import ResultStore
@@ -143,7 +148,10 @@ def run_eval(args) -> int:
     device = resolve_device(args.device)
     state = make_state("cpu" if device == "cpu" else device)
     lengths = args.lengths or (demo_lengths() if demo else None)
-    max_windows = args.max_windows if args.max_windows is not None or not demo else DEMO_MAX_WINDOWS
+    max_windows = args.max_windows
+    max_tokens = args.max_tokens
+    if demo and max_windows is None and max_tokens is None:
+        max_tokens = DEMO_MAX_TOKENS
     if args.methods:  # unknown names, bad factors and stray options fail before anything loads
         from ..evaluation.requests import parse_methods
 
@@ -170,14 +178,14 @@ def run_eval(args) -> int:
         )]
     settings = Settings(
         lengths=lengths, protocol=args.protocol, stride=args.stride, max_windows=max_windows,
-        batch_size=args.batch_size, passkey=args.passkey, passkey_depths=tuple(args.passkey_depths),
+        max_tokens=max_tokens, batch_size=args.batch_size, passkey=args.passkey, passkey_depths=tuple(args.passkey_depths),
         passkey_trials=args.passkey_trials, seed=args.seed, progress=not args.no_progress,
     )
     output = args.output or (DEMO_OUTPUT if demo else EVAL_OUTPUT)
     fingerprint = {
         "models": [dict(j.info, label=j.label) for j in jobs], "data": texts.info, "dtype": args.dtype,
         "protocol": args.protocol, "stride": args.stride, "max_windows": max_windows,
-        "passkey": [args.passkey, list(args.passkey_depths), args.passkey_trials, args.seed] if args.passkey else None,
+        "max_tokens": max_tokens, "passkey": [args.passkey, list(args.passkey_depths), args.passkey_trials, args.seed] if args.passkey else None,
     }
     store = ResultStore(output, fingerprint, resume=args.resume, enabled=state.is_main_process)
     runner = Runner(settings, store, state, command=command)
@@ -200,7 +208,7 @@ def run_eval(args) -> int:
             "data": texts.info,
             "protocol": {"name": args.protocol, "stride": args.stride if args.protocol == "sliding" else None,
                          "default_stride": "half the length" if args.protocol == "sliding" and args.stride is None else None,
-                         "max_windows": max_windows, "batch_size": args.batch_size,
+                         "max_windows": max_windows, "max_tokens": max_tokens, "batch_size": args.batch_size,
                          "last_quarter": "targets in the last quarter of their window"},
             "passkey": {"depths": list(args.passkey_depths), "trials": args.passkey_trials, "seed": args.seed}
             if args.passkey else None,

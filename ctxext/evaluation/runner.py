@@ -30,13 +30,26 @@ class Settings:
     protocol: str = "sliding"
     stride: int | None = None
     max_windows: int | None = None
-    batch_size: int = 1
+    #: At most this many tokens fed per (method, length): ``max_tokens // length`` windows (at least 1).
+    max_tokens: int | None = None
+    #: Windows per forward pass; None: as many as make about 2048 tokens (at most 16).
+    batch_size: int | None = None
     perplexity: bool = True
     passkey: bool = False
     passkey_depths: tuple[float, ...] = DEFAULT_DEPTHS
     passkey_trials: int = 2
     seed: int = 0
     progress: bool = True
+
+    def windows_for(self, length: int) -> int | None:
+        caps = [c for c in (self.max_windows, None if self.max_tokens is None else max(1, self.max_tokens // length))
+                if c is not None]
+        return min(caps) if caps else None
+
+    def batch_for(self, length: int) -> int:
+        if self.batch_size is not None:
+            return self.batch_size
+        return max(1, min(16, 2048 // length))
 
     def stride_for(self, length: int) -> int | None:
         if self.protocol != "sliding":
@@ -204,8 +217,8 @@ class Runner:
         start = time.perf_counter()
         if kind == "ppl":
             row = score_documents(
-                model, docs, length, protocol=s.protocol, stride=s.stride_for(length), max_windows=s.max_windows,
-                batch_size=s.batch_size, progress=s.progress, state=self.state,
+                model, docs, length, protocol=s.protocol, stride=s.stride_for(length), max_windows=s.windows_for(length),
+                batch_size=s.batch_for(length), progress=s.progress, state=self.state,
             )
         else:
             row = passkey_accuracy(
@@ -217,6 +230,8 @@ class Runner:
         if kind == "ppl" and seconds > 0:
             row["tokens_per_second"] = round(row["tokens"] / seconds, 1)
         row["processes"] = 1 if self.state is None else self.state.num_processes
+        if kind == "ppl":
+            row["batch_size"] = s.batch_for(length)
         return row
 
 
