@@ -66,6 +66,7 @@ def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullLocator
 
     models = [m for m in models if any(r.get("model") == m["label"] and r.get("kind", "ppl") == "ppl" for r in rows)]
     if not models:
@@ -75,23 +76,29 @@ def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path:
         mine = [r for r in rows if r.get("model") == model["label"] and r.get("kind", "ppl") == "ppl" and r.get("ppl")]
         for label in _labels(mine):
             pts = sorted((int(r["length"]), r["ppl"]) for r in mine if r["label"] == label)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label,
-                    linestyle="--" if label == "none" else "-", color="black" if label == "none" else None)
+            unpatched = label == "none"  # drawn on top: the baseline every method is read against
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, linestyle="--" if unpatched else "-",
+                    color="black" if unpatched else None, zorder=3 if unpatched else 2, linewidth=2 if unpatched else 1.5)
         trained = model.get("original_length")
-        if trained:
-            ax.axvline(trained, color="grey", linestyle=":", linewidth=1.5)
-            ax.annotate("training length", (trained, 1), xycoords=("data", "axes fraction"), xytext=(3, -12),
-                        textcoords="offset points", fontsize=8, color="grey")
+        lengths = sorted({int(r["length"]) for r in mine})
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        lengths = sorted({int(r["length"]) for r in mine})
         if lengths:
             ax.set_xticks(lengths, [str(n) for n in lengths])
+            ax.set_xlim(min(lengths + [trained or lengths[0]]) / 1.25, max(lengths) * 1.25)
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+        if trained:
+            ax.axvline(trained, color="grey", linestyle=":", linewidth=1.5)
+            ax.text(trained, 0.02, " trained length", transform=ax.get_xaxis_transform(), rotation=90,
+                    fontsize=8, color="grey", va="bottom", ha="right")
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("perplexity")
+        ax.set_ylabel("perplexity (log scale)")
         ax.set_title(model.get("title") or model["label"], fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="best", framealpha=0.8)
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
