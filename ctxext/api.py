@@ -18,6 +18,16 @@ from .spec import CONFIG_KEY, PatchSpec
 
 # Attribute on the model holding the live patch (spec + how to undo it). Not saved; the spec is, in config.
 _ACTIVE = "_ctxext_active"
+# A config attribute that did not exist before the patch (BLOOM has no length attribute): unpatch deletes it.
+_MISSING = object()
+
+
+def _set_config(config: Any, key: str, value: Any) -> None:
+    if value is _MISSING:
+        if key in vars(config):
+            delattr(config, key)
+    else:
+        setattr(config, key, value)
 
 
 @dataclass
@@ -41,7 +51,7 @@ def build_spec(model: nn.Module, method: str, factor: Any = None, **options: Any
         fits = [m for m in METHODS if adapter.supports(m)]
         raise PatchError(
             f"method {info.name!r} does not fit {type(model).__name__} ({adapter.title}): "
-            f"{adapter.support(info.name)[4:]}. Methods that do: {', '.join(fits)}"
+            f"{adapter.reason(info.name)}. Methods that do: {', '.join(fits)}"
         )
     factor = validate_factor(info, factor)
     resolved = validate_options(info, options)
@@ -72,10 +82,11 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, replace
         spec, adapter = _spec_for_replace(model, method, factor, options)
         unpatch(model)
     else:
+        take_saved_spec(model)  # a spec saved in config but not applied: start from the original length
         spec, adapter = build_spec(model, method, factor, **options)
 
     config = model.config
-    config_before = {adapter.length_attr: getattr(config, adapter.length_attr, None)} if adapter.length_attr else {}
+    config_before = {adapter.length_attr: getattr(config, adapter.length_attr, _MISSING)} if adapter.length_attr else {}
     restore = adapter.apply(model, spec)
     if adapter.length_attr and spec.patched_length is not None:
         setattr(config, adapter.length_attr, spec.patched_length)
@@ -88,14 +99,28 @@ def _spec_for_replace(model, method, factor, options):
     """Validate a replacement against the unpatched model, without unpatching yet (nothing half-done on error)."""
     active: _ActivePatch = getattr(model, _ACTIVE)
     config = model.config
-    saved = {k: getattr(config, k) for k in active.config_before}
+    saved = {k: getattr(config, k, _MISSING) for k in active.config_before}
     try:
         for key, value in active.config_before.items():
-            setattr(config, key, value)
+            _set_config(config, key, value)
         return build_spec(model, method, factor, **options)
     finally:
         for key, value in saved.items():
-            setattr(config, key, value)
+            _set_config(config, key, value)
+
+
+def take_saved_spec(model: nn.Module) -> PatchSpec | None:
+    """Remove a patch spec saved in the config of a freshly loaded model and restore the advertised length it had
+    before that patch. ``ctxext.from_pretrained`` re-applies the returned spec."""
+    saved = getattr(model.config, CONFIG_KEY, None)
+    if not saved or getattr(model, _ACTIVE, None) is not None:
+        return None
+    spec = PatchSpec.from_dict(dict(saved))
+    delattr(model.config, CONFIG_KEY)
+    adapter = find_adapter(model)
+    if adapter.length_attr and spec.original_length is not None:
+        setattr(model.config, adapter.length_attr, spec.original_length)
+    return spec
 
 
 def unpatch(model: nn.Module) -> nn.Module:
@@ -106,7 +131,7 @@ def unpatch(model: nn.Module) -> nn.Module:
         raise PatchError("model is not patched by ctxext")
     active.restore()
     for key, value in active.config_before.items():
-        setattr(model.config, key, value)
+        _set_config(model.config, key, value)
     if hasattr(model.config, CONFIG_KEY):
         delattr(model.config, CONFIG_KEY)
     delattr(model, _ACTIVE)

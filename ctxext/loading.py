@@ -6,24 +6,9 @@ from typing import Any
 
 from torch import nn
 
-from .api import patch
+from .api import patch, take_saved_spec
 from .errors import PatchError
 from .spec import CONFIG_KEY, PatchSpec
-
-
-def pop_saved_spec(model: nn.Module) -> PatchSpec | None:
-    """Remove a saved patch spec from a freshly loaded config, restoring the pre-patch advertised length."""
-    saved = getattr(model.config, CONFIG_KEY, None)
-    if not saved:
-        return None
-    spec = PatchSpec.from_dict(dict(saved))
-    delattr(model.config, CONFIG_KEY)
-    from .adapters import find_adapter
-
-    adapter = find_adapter(model)
-    if adapter.length_attr and spec.original_length is not None:
-        setattr(model.config, adapter.length_attr, spec.original_length)
-    return spec
 
 
 def make_saveable(model: nn.Module) -> None:
@@ -36,13 +21,42 @@ def make_saveable(model: nn.Module) -> None:
             delattr(model.config, "quantization_config")
 
 
+_HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "local_files_only", "revision", "subfolder")
+
+
+def _original_length_kwargs(pretrained: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Build a saved patched model at its original length: config.json advertises the patched length, but GPT-2
+    sizes its position table from it while the checkpoint holds the original table (the patch is applied again
+    after loading)."""
+    if kwargs.get("gguf_file") or "config" in kwargs:
+        return {}
+    from transformers import PretrainedConfig
+
+    from .adapters import ADAPTERS
+
+    try:
+        hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+        config_dict, _ = PretrainedConfig.get_config_dict(pretrained, **hub)
+    except Exception:  # noqa: BLE001 - from_pretrained reports the real problem
+        return {}
+    saved = config_dict.get(CONFIG_KEY)
+    if not isinstance(saved, dict):
+        return {}
+    spec = PatchSpec.from_dict(saved)
+    adapter = next((a for a in ADAPTERS if a.family == spec.family), None)
+    if adapter is None or not adapter.length_attr or spec.original_length is None or adapter.length_attr in kwargs:
+        return {}
+    return {adapter.length_attr: spec.original_length}
+
+
 def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: Any) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` (same kwargs, ``gguf_file`` included) that re-applies a saved
     ctxext patch, and optionally loads a LoRA adapter directory saved by a ctxext fine-tune recipe."""
     from transformers import AutoModelForCausalLM
 
     try:
-        model = AutoModelForCausalLM.from_pretrained(pretrained, **kwargs)
+        length = _original_length_kwargs(pretrained, kwargs)
+        model = AutoModelForCausalLM.from_pretrained(pretrained, **length, **kwargs)
     except OSError as exc:
         raise OSError(
             f"cannot load model {pretrained!r}: {str(exc).splitlines()[0]} "
@@ -50,7 +64,7 @@ def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: An
         ) from exc
     if kwargs.get("gguf_file"):
         make_saveable(model)
-    spec = pop_saved_spec(model)
+    spec = take_saved_spec(model)
     if spec is not None:
         patch(model, spec.method, spec.factor, **spec.options)
     if adapter is not None:

@@ -60,7 +60,19 @@ METHODS: dict[str, Method] = {
                 "high_freq_factor": Option(4.0, float, "wavelengths below L0/high are kept"),
             },
         ),
-        Method("extrapolate", "advertise factor x the length, positions unchanged"),
+        Method(
+            "alibi",
+            "ALiBi swap: the positional encoding replaced by ALiBi linear attention biases (factor optional: "
+            "advertise factor x the length)",
+            needs_factor=False,
+        ),
+        Method(
+            "nope",
+            "NoPE ablation: the positional encoding removed, only the causal mask orders tokens (factor optional: "
+            "advertise factor x the length)",
+            needs_factor=False,
+        ),
+        Method("extrapolate", "advertise factor x the length, positions unchanged (GPT-2: table extended)"),
     ]
 }
 

@@ -62,3 +62,42 @@ def llama():
 @pytest.fixture
 def neox():
     return tiny_neox()
+
+
+def tiny_gpt2(seed: int = 0, **overrides):
+    """GPT-2 with 12 heads (head_dim 4) and a 32-row position table."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    kw = dict(
+        vocab_size=128,
+        n_embd=48,
+        n_layer=2,
+        n_head=12,
+        n_positions=32,
+        bos_token_id=0,
+        eos_token_id=1,
+        attn_implementation="sdpa",
+    )
+    kw.update(overrides)
+    return GPT2LMHeadModel(GPT2Config(**kw)).eval()
+
+
+def tiny_bloom(seed: int = 0, **overrides):
+    """BLOOM with 9 heads (not a power of two; head_dim 4). BLOOM is eager-only in transformers 5.x."""
+    from transformers import BloomConfig, BloomForCausalLM
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=128, hidden_size=36, n_layer=2, n_head=9, bos_token_id=0, eos_token_id=1)
+    kw.update(overrides)
+    return BloomForCausalLM(BloomConfig(**kw)).eval()
+
+
+@pytest.fixture
+def gpt2():
+    return tiny_gpt2()
+
+
+@pytest.fixture
+def bloom():
+    return tiny_bloom()

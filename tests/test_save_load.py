@@ -84,3 +84,18 @@ def _smollm2_script():
     from pathlib import Path
 
     return str(Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "smollm2.sh")
+
+
+def test_patching_a_model_loaded_without_ctxext_starts_from_the_original_length(tmp_path):
+    """A saved patched model loaded with plain transformers advertises the patched length; patching it again
+    must not compound the factor."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_llama()
+    ctxext.patch(model, "pi", 4)
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert plain.config.max_position_embeddings == 4 * L0 and ctxext.describe(plain) is None
+    ctxext.patch(plain, "pi", 2)
+    assert ctxext.describe(plain)["original_length"] == L0
+    assert plain.config.max_position_embeddings == 2 * L0

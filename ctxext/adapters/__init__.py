@@ -6,9 +6,12 @@ from torch import nn
 
 from ..errors import PatchError
 from .base import Adapter
+from .bloom import BloomAdapter
+from .gpt2 import GPT2Adapter
 from .rotary import RotaryAdapter
 
-ADAPTERS: list[Adapter] = [RotaryAdapter()]
+#: One adapter per positional family, in detection order (and column order of the method table).
+ADAPTERS: list[Adapter] = [RotaryAdapter(), GPT2Adapter(), BloomAdapter()]
 
 
 def find_adapter(model: nn.Module) -> Adapter:

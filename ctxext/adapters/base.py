@@ -27,9 +27,14 @@ class Adapter:
         raise NotImplementedError
 
     def support(self, method: str) -> str:
+        """The method-table cell: what ``method`` does on this family, or ``error: <why not>``."""
         if method in self.methods:
             return self.methods[method]
-        return "no: " + self.unsupported.get(method, "not implemented for this family")
+        return "error: " + self.reason(method)
+
+    def reason(self, method: str) -> str:
+        """Why ``method`` does not apply to this family (used in the table and in the PatchError)."""
+        return self.unsupported.get(method, "not implemented for this family")
 
     def supports(self, method: str) -> bool:
         return method in self.methods

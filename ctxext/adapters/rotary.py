@@ -14,8 +14,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..attention import can_use_attention, use_attention
 from ..errors import PatchError
-from ..methods import rope
+from ..methods import nope, rope
 from ..spec import PatchSpec
 from .base import Adapter, Restore, run_all
 
@@ -26,6 +27,10 @@ STATIC_METHODS: dict[str, Callable] = {
     "yarn": rope.yarn,
     "llama3": rope.llama3,
     "extrapolate": rope.identity,
+    # NoPE and the ALiBi swap disable rotary by an identity rotation (inv_freq = 0): the module and the attention
+    # kernel stay; ALiBi then adds its bias in the ``ctxext_alibi`` attention function.
+    "nope": nope.identity_rotation,
+    "alibi": nope.identity_rotation,
 }
 
 
@@ -153,6 +158,8 @@ class RotaryAdapter(Adapter):
         "yarn": "yes: NTK-by-parts + mscale",
         "llama3": "yes",
         "extrapolate": "yes: frequencies unchanged",
+        "alibi": "yes: rotary off + ALiBi bias",
+        "nope": "yes: rotary off (identity rotation)",
     }
 
     def detect(self, model: nn.Module) -> bool:
@@ -163,6 +170,10 @@ class RotaryAdapter(Adapter):
             raise PatchError(f"{type(model).__name__} config has no {self.length_attr}; cannot scale RoPE")
         for name, module in rotary_modules(model):
             rope_inputs(name, module, spec.original_length)
+        if spec.method == "alibi":
+            reason = can_use_attention(model)
+            if reason:
+                raise PatchError(f"cannot swap in ALiBi: {reason}")
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
         undo: list[Restore] = []
@@ -182,6 +193,8 @@ class RotaryAdapter(Adapter):
                     module.attention_scaling = attention_factor
             if spec.method == "dynamic-ntk":
                 undo.append(_wrap_generate(model))
+            if spec.method == "alibi":
+                undo.append(use_attention(model))
         except BaseException:
             run_all(undo)
             raise

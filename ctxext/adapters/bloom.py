@@ -1,0 +1,167 @@
+"""BLOOM family adapter: ALiBi.
+
+Hook point: the module-level slope function of the model's modeling module (``_get_alibi_slopes`` in
+``transformers.models.bloom.modeling_bloom``). BLOOM calls it on every path: directly when no attention mask is
+given, and through ``build_alibi_tensor`` when one is (which is what ``generate`` does). ctxext replaces that
+module attribute with a dispatcher while at least one model of the module is patched; the dispatcher transforms the
+slopes only inside the forward pass of a patched model (a forward pre-hook sets which transform applies), so other
+BLOOM models in the process are unaffected. The original function is put back when the last patched model is
+unpatched or garbage-collected. The attention path (BLOOM is eager-only in transformers 5.23) is not
+touched.
+
+- ``pi``: interpolated ALiBi, every relative distance divided by the factor (slopes / factor);
+- ``nope``: slopes zero, the ALiBi bias removed;
+- ``extrapolate``: slopes unchanged, only the advertised length grows;
+- ``alibi``: refused, the model already is ALiBi.
+
+Advertised length: BLOOM configs carry no length attribute (ALiBi has no table to size), and lm-eval falls back to
+2048 tokens for them. ctxext advertises the patched length in ``config.max_position_embeddings`` — the attribute
+lm-eval reads after ``n_positions`` and the one ``generate`` warns against — and takes the original length from
+``max_position_embeddings`` or ``seq_length`` when the config has one, else 2048 (the sequence length every BLOOM
+checkpoint was trained with). ``unpatch`` deletes the attribute again when the config did not have it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import sys
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..methods import alibi
+from ..spec import PatchSpec
+from .base import Adapter, Restore, run_all
+
+#: The sequence length all BLOOM checkpoints were trained with.
+BLOOM_TRAINING_LENGTH = 2048
+SLOPE_FUNCTION = "_get_alibi_slopes"
+
+SlopeTransform = Callable[[torch.Tensor], torch.Tensor]
+
+#: The slope transform of the patched model whose forward pass is running (None outside one).
+_active_transform: contextvars.ContextVar[SlopeTransform | None] = contextvars.ContextVar(
+    "ctxext_bloom_slopes", default=None
+)
+
+
+def slope_transform(spec: PatchSpec) -> SlopeTransform | None:
+    if spec.method == "pi":
+        return functools.partial(alibi.interpolated_slopes, factor=spec.factor)
+    if spec.method == "nope":
+        return alibi.no_slopes
+    return None  # extrapolate: slopes unchanged
+
+
+class _Dispatcher:
+    """Replaces a modeling module's slope function while patched models of that module exist."""
+
+    def __init__(self, modeling, original):
+        self.modeling = modeling
+        self.original = original
+        self.users = 0
+
+    def __call__(self, num_heads, device, *args, **kwargs):
+        slopes = self.original(num_heads, device, *args, **kwargs)
+        transform = _active_transform.get()
+        return slopes if transform is None else transform(slopes)
+
+
+_dispatchers: dict[str, _Dispatcher] = {}
+
+
+def _acquire(modeling) -> Restore:
+    name = modeling.__name__
+    dispatcher = _dispatchers.get(name)
+    if dispatcher is None or getattr(modeling, SLOPE_FUNCTION) is not dispatcher:
+        dispatcher = _Dispatcher(modeling, getattr(modeling, SLOPE_FUNCTION))
+        setattr(modeling, SLOPE_FUNCTION, dispatcher)
+        _dispatchers[name] = dispatcher
+    dispatcher.users += 1
+    released = []
+
+    def release():
+        if released:
+            return
+        released.append(True)
+        dispatcher.users -= 1
+        if dispatcher.users == 0:
+            if getattr(modeling, SLOPE_FUNCTION) is dispatcher:
+                setattr(modeling, SLOPE_FUNCTION, dispatcher.original)
+            if _dispatchers.get(name) is dispatcher:
+                del _dispatchers[name]
+
+    return release
+
+
+def alibi_owner(model: nn.Module) -> tuple[nn.Module, object] | None:
+    """The module that builds the ALiBi tensor (BloomModel) and the modeling module holding its slope function."""
+    for module in model.modules():
+        if callable(getattr(module, "build_alibi_tensor", None)):
+            modeling = sys.modules.get(type(module).__module__)
+            if callable(getattr(modeling, SLOPE_FUNCTION, None)):
+                return module, modeling
+    return None
+
+
+def _hooks(owner: nn.Module, transform: SlopeTransform) -> Restore:
+    tokens = []
+
+    def enter(module, args, kwargs):
+        tokens.append(_active_transform.set(transform))
+
+    def leave(module, args, kwargs, output):
+        if tokens:
+            _active_transform.reset(tokens.pop())
+
+    handles = [
+        owner.register_forward_pre_hook(enter, with_kwargs=True),
+        owner.register_forward_hook(leave, with_kwargs=True, always_call=True),
+    ]
+
+    def remove():
+        for handle in handles:
+            handle.remove()
+
+    return remove
+
+
+class BloomAdapter(Adapter):
+    family = "bloom"
+    title = "BLOOM (ALiBi)"
+    length_attr = "max_position_embeddings"
+    methods = {
+        "pi": "yes: ALiBi distances / f",
+        "extrapolate": "yes: advertise f x length",
+        "nope": "yes: ALiBi removed (slopes 0)",
+    }
+    unsupported = {"alibi": "already ALiBi", **{m: "not rotary" for m in ("ntk", "dynamic-ntk", "yarn", "llama3")}}
+
+    def detect(self, model: nn.Module) -> bool:
+        return alibi_owner(model) is not None
+
+    def original_length(self, model: nn.Module) -> int:
+        config = model.config
+        for attr in (self.length_attr, "seq_length"):
+            value = getattr(config, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        return BLOOM_TRAINING_LENGTH
+
+    def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
+        transform = slope_transform(spec)
+        if transform is None:
+            return lambda: None
+        owner, modeling = alibi_owner(model)
+        undo: list[Restore] = []
+        try:
+            # released by unpatch, or when the model is garbage-collected without one
+            undo.append(weakref.finalize(owner, _acquire(modeling)))
+            undo.append(_hooks(owner, transform))
+        except BaseException:
+            run_all(undo)
+            raise
+        return functools.partial(run_all, undo)

@@ -1,0 +1,128 @@
+"""GPT-2 family adapter: learned absolute positions.
+
+Acts on the ``wpe`` position table (an ``nn.Embedding`` next to the ``wte`` token table, with as many rows as the
+config's ``n_positions``) and on the advertised length ``config.n_positions`` (what ``generate`` and lm-eval read;
+``max_position_embeddings`` is an alias of it, and an ``n_ctx`` left in older configs is kept in step).
+
+While patched, ``wpe`` is replaced by a ``PositionTable`` that shares the original ``weight`` parameter (so
+``state_dict`` / ``save_pretrained`` still hold the original table under the same key) and looks positions up in the
+method's table, a non-persistent buffer:
+
+- ``pi``: the table interpolated to ``round(factor * n_positions)`` rows (``ctxext.methods.positions``);
+- ``extrapolate``: the table extended to that many rows by repeating its last row;
+- ``nope`` and ``alibi``: no table (the position embedding is zero); ``alibi`` also switches the attention to
+  ``ctxext_alibi`` (``ctxext.attention``).
+
+Positions past the end of the table are clamped to its last row, so inputs longer than the advertised length run.
+``unpatch`` puts the original ``wpe`` module back (the same object) and restores the attention implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import can_use_attention, use_attention
+from ..errors import PatchError
+from ..methods import positions
+from ..spec import PatchSpec
+from .base import Adapter, Restore, run_all
+
+TABLE_METHODS = {"pi": positions.interpolate_table, "extrapolate": positions.extend_table}
+
+
+class PositionTable(nn.Module):
+    """Stands in for a patched ``wpe``: same ``weight`` parameter, lookups in the method's table (or zeros)."""
+
+    def __init__(self, original: nn.Embedding, table: torch.Tensor | None, method: str):
+        super().__init__()
+        self.weight = original.weight  # the original parameter, so the state dict is unchanged
+        self.method = method
+        self.embedding_dim = original.embedding_dim
+        self.register_buffer("table", table, persistent=False)
+        self.num_embeddings = table.shape[0] if table is not None else None
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        if self.table is None:  # position table bypassed
+            return self.weight.new_zeros(*position_ids.shape, self.embedding_dim)
+        index = position_ids.clamp(min=0, max=self.table.shape[0] - 1)
+        return F.embedding(index, self.table)
+
+    def extra_repr(self) -> str:
+        rows = "none" if self.table is None else self.table.shape[0]
+        return f"method={self.method}, rows={rows}, dim={self.embedding_dim}"
+
+
+def position_owner(model: nn.Module) -> nn.Module | None:
+    """The submodule holding ``wte`` and ``wpe`` (GPT2Model), with ``wpe`` sized by the config's ``n_positions``."""
+    n_positions = getattr(getattr(model, "config", None), "n_positions", None)
+    for module in model.modules():
+        wpe = getattr(module, "wpe", None)
+        if isinstance(wpe, PositionTable):
+            return module
+        if (
+            isinstance(wpe, nn.Embedding)
+            and isinstance(getattr(module, "wte", None), nn.Embedding)
+            and wpe.num_embeddings == n_positions
+        ):
+            return module
+    return None
+
+
+class GPT2Adapter(Adapter):
+    family = "gpt2"
+    title = "GPT-2 (learned absolute)"
+    length_attr = "n_positions"
+    methods = {
+        "pi": "yes: wpe interpolated to f x rows",
+        "extrapolate": "yes: wpe extended (last row repeated)",
+        "alibi": "yes: wpe bypassed + ALiBi bias",
+        "nope": "yes: wpe bypassed",
+    }
+    unsupported = {m: "not rotary" for m in ("ntk", "dynamic-ntk", "yarn", "llama3")}
+
+    def detect(self, model: nn.Module) -> bool:
+        return position_owner(model) is not None
+
+    def check(self, model: nn.Module, spec: PatchSpec) -> None:
+        if spec.method == "alibi":
+            reason = can_use_attention(model)
+            if reason:
+                raise PatchError(f"cannot swap in ALiBi: {reason}")
+
+    def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
+        undo: list[Restore] = []
+        try:
+            owner = position_owner(model)
+            original = owner.wpe
+            if spec.method in TABLE_METHODS:
+                with torch.no_grad():
+                    table = TABLE_METHODS[spec.method](original.weight, spec.factor)
+            else:
+                table = None
+            replacement = PositionTable(original, table, spec.method)
+            owner.wpe = replacement
+            undo.append(functools.partial(setattr, owner, "wpe", original))
+            undo.append(_keep_n_ctx_in_step(model.config, spec))
+            if spec.method == "alibi":
+                undo.append(use_attention(model))
+        except BaseException:
+            run_all(undo)
+            raise
+        return functools.partial(run_all, undo)
+
+
+def _keep_n_ctx_in_step(config, spec: PatchSpec) -> Restore:
+    """Older GPT-2 configs carry ``n_ctx`` = ``n_positions``; advertise the new length there too."""
+    before = vars(config).get("n_ctx")
+    if before is None or spec.patched_length is None or before != spec.original_length:
+        return lambda: None
+    config.n_ctx = spec.patched_length
+
+    def restore():
+        config.n_ctx = before
+
+    return restore

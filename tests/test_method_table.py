@@ -1,0 +1,37 @@
+"""`ctxext methods`: the method x architecture table covers all three families, from the registry."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ctxext
+from ctxext.registry import METHODS, format_method_table, method_table
+
+
+def test_every_cell_says_what_happens_or_why_not():
+    for row in method_table():
+        for family in ("rotary", "gpt2", "bloom"):
+            assert row[family].startswith(("yes", "error: ")), row
+    cells = {row["method"]: row for row in method_table()}
+    assert cells["ntk"]["gpt2"] == "error: not rotary" and cells["yarn"]["bloom"] == "error: not rotary"
+    assert cells["alibi"]["bloom"] == "error: already ALiBi"
+    everywhere = ("pi", "nope", "extrapolate")
+    assert all(cells[m][f].startswith("yes") for m in everywhere for f in ("rotary", "gpt2", "bloom"))
+    assert cells["alibi"]["rotary"].startswith("yes") and cells["alibi"]["gpt2"].startswith("yes")
+
+
+def test_available_methods_matches_the_table():
+    table = ctxext.available_methods()
+    assert set(table) == set(METHODS)
+    assert table["pi"] == ["rotary", "gpt2", "bloom"] and table["alibi"] == ["rotary", "gpt2"]
+    assert table["yarn"] == ["rotary"]
+
+
+def test_cli_prints_the_markdown_table():
+    out = subprocess.run(
+        [sys.executable, "-m", "ctxext", "methods", "--markdown"], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == format_method_table(markdown=True)
+    assert out.splitlines()[0] == "| method | LLaMA-family (rotary) | GPT-2 (learned absolute) | BLOOM (ALiBi) |"
+    assert "| `alibi` |" in out and "| `nope` |" in out and "error: already ALiBi" in out
