@@ -35,3 +35,12 @@ def test_cli_prints_the_markdown_table():
     assert out.strip() == format_method_table(markdown=True)
     assert out.splitlines()[0] == "| method | LLaMA-family (rotary) | GPT-2 (learned absolute) | BLOOM (ALiBi) |"
     assert "| `alibi` |" in out and "| `nope` |" in out and "error: already ALiBi" in out
+
+
+def test_readme_shows_the_registry_table():
+    from pathlib import Path
+
+    from ctxext.registry import format_method_table
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert format_method_table(markdown=True) in readme, "README's method table is stale: paste `ctxext methods --markdown`"

@@ -156,7 +156,7 @@ class RotaryAdapter(Adapter):
         "ntk": "yes: base * factor^(d/(d-2))",
         "dynamic-ntk": "yes: scale from sequence length",
         "yarn": "yes: NTK-by-parts + mscale",
-        "llama3": "yes",
+        "llama3": "yes: Llama 3.1 by wavelength",
         "extrapolate": "yes: frequencies unchanged",
         "alibi": "yes: rotary off + ALiBi bias",
         "nope": "yes: rotary off (identity rotation)",
