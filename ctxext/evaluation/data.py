@@ -44,6 +44,22 @@ def _read_jsonl(path: Path, text_field: str) -> list[str]:
     return texts
 
 
+def _read_json(path: Path, text_field: str) -> list[str]:
+    """A JSON list of objects with ``text_field`` (or JSON lines saved as .json)."""
+    raw = path.read_text(encoding="utf-8")
+    try:
+        rows = json.loads(raw)
+    except json.JSONDecodeError:
+        return _read_jsonl(path, text_field)
+    if isinstance(rows, dict) and isinstance(rows.get("data"), list):
+        rows = rows["data"]
+    if isinstance(rows, dict):
+        rows = [rows]
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and text_field in r for r in rows):
+        raise ValueError(f"{path}: expected a list of objects with a {text_field!r} field (choose one with --text-field)")
+    return [str(r[text_field]) for r in rows]
+
+
 def _column(dataset, text_field: str, where: str) -> list[str]:
     columns = list(getattr(dataset, "column_names", []) or [])
     if text_field not in columns:
@@ -84,7 +100,7 @@ def _load_dataset(name: str, split: str, text_field: str) -> list[str]:
 def load_texts(data: str, *, split: str = "test", text_field: str = "text") -> Texts:
     """Read evaluation documents (one string each) from ``data``.
 
-    - a ``.jsonl`` file: one document per line, from ``text_field``;
+    - a ``.jsonl`` file: one document per line, from ``text_field``; a ``.json`` list of such objects;
     - a text file (``.txt``, ``.txt.gz`` or any other non-JSONL file): one document;
     - a folder with ``.txt`` files (searched recursively, sorted by path): one document per file;
     - a folder saved by ``datasets`` (``save_to_disk``) or loadable by ``datasets.load_dataset``, or a hub
@@ -96,6 +112,9 @@ def load_texts(data: str, *, split: str = "test", text_field: str = "text") -> T
         if path.suffix == ".jsonl":
             texts = _read_jsonl(path, text_field)
             info.update(format="jsonl", text_field=text_field)
+        elif path.suffix == ".json":
+            texts = _read_json(path, text_field)
+            info.update(format="json", text_field=text_field)
         else:
             texts = [_read_text(path)]
             info.update(format="text")
