@@ -60,17 +60,36 @@ def machine() -> dict:
     }
 
 
+def checkpoint_ids(results: dict) -> dict:
+    """sha256 (first 16 hex digits) of each reference checkpoint used: the numbers belong to these weights."""
+    import hashlib
+
+    from ctxext.finetune.model import model_source
+    from ctxext.finetune.config import ModelConfig
+
+    ids = {}
+    for s in results.values():
+        name = s["model"]
+        try:
+            path = Path(model_source(ModelConfig(name=name))) / "model.safetensors"
+            ids[name] = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+        except Exception as exc:  # noqa: BLE001
+            ids[name] = f"unknown ({exc})"
+    return ids
+
+
 def nats(ppl: float | None) -> float | None:
     return None if ppl is None else math.log(ppl)
 
 
-def run_one(key: str, steps: int | None, out_root: Path) -> dict:
+def run_one(key: str, steps: int | None, out_root: Path, extra: list[str]) -> dict:
     from ctxext.finetune import load_recipe, run
 
     recipe_path, title = RUNS[key]
     overrides = [f"output.dir={out_root / key}", "output.overwrite=true"]
     if steps:
         overrides.append(f"train.steps={steps}")
+    overrides += extra
     recipe = load_recipe(ROOT / recipe_path, overrides)
     tic = time.perf_counter()
     summary = run(recipe, progress=sys.stderr.isatty())
@@ -79,6 +98,63 @@ def run_one(key: str, steps: int | None, out_root: Path) -> dict:
     summary["title"] = title
     summary["overrides"] = overrides
     return summary
+
+
+def evaluate_checkpoint(run_dir: Path, checkpoint: str, lengths: list[int] | None = None) -> dict:
+    """Held-out perplexity of an intermediate checkpoint (``checkpoints/step-N``) of a run, with its recipe's eval
+    settings: for a run stopped before its last step."""
+    from safetensors.torch import load_file
+
+    from ctxext.evaluation.perplexity import perplexity
+    from ctxext.finetune import load_recipe
+    from ctxext.finetune.data import read_eval_tokens
+    from ctxext.finetune.model import add_lora, apply_patch, load_model, load_tokenizer, model_source
+
+    recipe = load_recipe(run_dir / "recipe.yaml")
+    tokenizer = load_tokenizer(recipe.model)
+    ids, _ = read_eval_tokens(recipe, tokenizer)
+    model = load_model(recipe.model)
+    spec = apply_patch(recipe, model)
+    model = add_lora(recipe, model, model_source(recipe.model))
+    weights = load_file(str(run_dir / "checkpoints" / checkpoint / "trainable.safetensors"))
+    params = dict(model.named_parameters())
+    for name, value in weights.items():
+        params[name].data.copy_(value)
+    model.eval()
+    e = recipe.eval
+    lengths = lengths or list(e.lengths) or [recipe.data.seq_length or spec["patched_length"]]
+    out = {}
+    for length in lengths:
+        r = perplexity(model, ids, length, protocol=e.protocol, stride=e.stride, max_windows=e.max_windows,
+                       progress=False)
+        out[str(length)] = {k: r[k] for k in ("ppl", "ppl_last_quarter", "tokens", "windows", "nll_sum")}
+    return out
+
+
+def partial_summary(run_dir: Path, checkpoint: str) -> dict:
+    """A run summary for a run stopped at ``checkpoint``: its log up to there, the checkpoint evaluated now."""
+    events = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    step = int(checkpoint.split("-")[1])
+    start = next(e for e in events if e["event"] == "start")
+    evals = {e["when"]: e["results"] for e in events if e["event"] == "eval"}
+    steps = [e for e in events if e["event"] == "step" and e["step"] <= step]
+    planned = start["recipe"]["train"]["steps"]
+    return {
+        "finished": False,
+        "stopped": f"stopped at step {step} of {planned} (time); evaluated from checkpoints/{checkpoint}",
+        "model": start["recipe"]["model"]["name"],
+        "patch": start["patch"],
+        "seq_length": start["seq_length"],
+        "steps": step,
+        "tokens": steps[-1]["tokens"],
+        "train_seconds": round(sum(e["seconds"] for e in steps), 1),
+        "world_size": start["world_size"],
+        "final_loss": steps[-1]["loss"],
+        "losses": [e["loss"] for e in steps],
+        "unpatched": evals.get("unpatched"),
+        "before": evals.get("before"),
+        "after": evaluate_checkpoint(run_dir, checkpoint),
+    }
 
 
 def judge(key: str, s: dict) -> dict:
@@ -111,6 +187,8 @@ def write_report(results: dict, info: dict) -> None:
         f"torch {info['machine']['torch']} (CPU, {info['machine']['torch_threads']} threads), "
         f"transformers {info['machine']['transformers']}.",
         "Produced by `python benchmarks/finetune_acceptance.py`; numbers in `finetune_report.json`.",
+        "Checkpoints (sha256 of model.safetensors, first 16 hex digits): "
+        + ", ".join(f"`{k}` {v}" for k, v in info.get("checkpoints", {}).items()) + ".",
         "Held-out perplexity on Emma (not in the training novels), `chunks` windows, first windows of the book.",
         "",
         "| run | steps x batch x length | train time | length | unpatched | patched, training-free | patched + LoRA | "
@@ -130,6 +208,9 @@ def write_report(results: dict, info: dict) -> None:
                 f"{s['train_seconds']:.0f} s | {length} | {fmt((s.get('unpatched') or {}).get(length, {}).get('ppl'))} | "
                 f"{fmt(s['before'][length]['ppl'])} | {fmt(s['after'][length]['ppl'])} | {crit} | {ok} |"
             )
+    for key, s in results.items():
+        if s.get("stopped"):
+            lines.append(f"\n`{key}`: {s['stopped']}; its learning-rate schedule was planned for the full run.")
     lines += ["", "Final training loss per run: " + ", ".join(
         f"{k} {s['final_loss']:.3f}" for k, s in results.items()) + ".", ""]
     (ROOT / "benchmarks" / "finetune_report.md").write_text("\n".join(lines))
@@ -142,7 +223,14 @@ def main() -> int:
     p.add_argument("--steps-alibi", type=int, default=None, help="override train.steps of the ALiBi run")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "finetune-acceptance")
     p.add_argument("--keep", action="store_true", help="merge into an existing finetune_report.json")
+    p.add_argument("--report-only", action="store_true",
+                   help="train nothing: write the report from the results.json of runs already in --out")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra recipe override for every run (e.g. eval.data=[../shared/data/austen/emma.txt])")
+    p.add_argument("--checkpoint", action="append", default=[], metavar="RUN=step-N",
+                   help="report a run stopped early from its checkpoint (e.g. pi=step-000050), evaluated now")
     args = p.parse_args()
+    args.checkpoint = dict(item.split("=", 1) for item in args.checkpoint)
 
     import torch
     import yaml
@@ -153,14 +241,22 @@ def main() -> int:
         results = json.loads(report.read_text()).get("runs", {})
     for key in args.only:
         steps = {"pi": args.steps_pi, "alibi": args.steps_alibi}.get(key)
-        s = run_one(key, steps, args.out)
+        if key in args.checkpoint:
+            s = partial_summary(args.out / key, args.checkpoint[key])
+            s.update(recipe=RUNS[key][0], title=RUNS[key][1])
+        elif args.report_only:
+            s = json.loads((args.out / key / "results.json").read_text())
+            s.update(recipe=RUNS[key][0], title=RUNS[key][1])
+        else:
+            s = run_one(key, steps, args.out, args.overrides)
         s["recipe_train"] = yaml.safe_load((args.out / key / "recipe.yaml").read_text())["train"]
         s["acceptance"] = judge(key, s)
         s.pop("losses_all", None)
         results[key] = s
         print(f"{key}: {json.dumps(s['acceptance'])}", flush=True)
         info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "machine": machine(), "torch_threads": torch.get_num_threads()}
+                "machine": machine(), "torch_threads": torch.get_num_threads(),
+                "checkpoints": checkpoint_ids(results)}
         write_report(results, info)
     return 0 if all(r["acceptance"]["pass"] for r in results.values()) else 1
 
