@@ -124,7 +124,12 @@ class Runner:
     def run(self, jobs: list[ModelJob]) -> Outcome:
         try:
             for job in jobs:
-                self._run_job(job)
+                try:
+                    self._run_job(job)
+                except (OSError, ValueError) as exc:  # this model cannot be evaluated: say so, go on with the others
+                    if len(jobs) == 1:
+                        raise
+                    self.error(f"{job.label}: {exc}")
         except KeyboardInterrupt:
             self.outcome.interrupted = True
             raise

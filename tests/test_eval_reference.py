@@ -1,0 +1,55 @@
+"""The default run on the shipped reference checkpoints (skipped where they are not built)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ctxext.cli import main
+
+
+def _references_present() -> bool:
+    try:
+        from ctxext import reference
+
+        for name in reference.REFERENCE_NAMES:
+            reference.reference_path(name)
+        reference.reference_text()
+    except (ImportError, FileNotFoundError):
+        return False
+    return True
+
+
+pytestmark = pytest.mark.skipif(not _references_present(), reason="reference checkpoints are not built")
+
+
+def test_demo_smoke_on_the_references(tmp_path):
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--methods", "none,pi", "--lengths", "256,512", "--max-windows", "1", "--no-progress",
+               "--output", str(out), "--plot", str(tmp_path / "demo.png")])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    assert [m["label"] for m in doc["models"]] == ["llama", "gpt2", "bloom"]
+    assert all(m["original_length"] == 256 for m in doc["models"])
+    cells = {(r["model"], r["method"], r["length"]): r for r in doc["results"]}
+    assert len(cells) == 12
+    assert cells[("gpt2", "none", 512)]["not_applicable"]  # GPT-2's table has 256 rows
+    for (model, method, length), row in cells.items():
+        if not row.get("not_applicable"):
+            assert 1 < row["ppl"] < 4096, (model, method, length)  # a language model, not uniform over the vocab
+
+
+@pytest.mark.slow
+def test_default_run_covers_every_method_of_every_family(tmp_path):
+    import ctxext
+    from ctxext import reference
+
+    out = tmp_path / "demo.json"
+    assert main(["demo", "--no-progress", "--output", str(out), "--plot", str(tmp_path / "demo.png")]) == 0
+    doc = json.loads(out.read_text())
+    for name in reference.REFERENCE_NAMES:
+        expected = {"none"} | set(ctxext.available_methods(reference.reference_model(name)))
+        rows = [r for r in doc["results"] if r["model"] == name]
+        assert {r["method"] for r in rows} == expected
+        assert len(rows) == 4 * len(expected)
