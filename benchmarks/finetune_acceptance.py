@@ -178,7 +178,7 @@ def fmt(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
 
-def write_report(results: dict, info: dict) -> None:
+def write_report(results: dict, info: dict, notes: Path | None = None) -> None:
     (ROOT / "benchmarks" / "finetune_report.json").write_text(json.dumps({**info, "runs": results}, indent=2) + "\n")
     lines = [
         "# Fine-tune recipes: acceptance on the reference checkpoints",
@@ -213,6 +213,8 @@ def write_report(results: dict, info: dict) -> None:
             lines.append(f"\n`{key}`: {s['stopped']}; its learning-rate schedule was planned for the full run.")
     lines += ["", "Final training loss per run: " + ", ".join(
         f"{k} {s['final_loss']:.3f}" for k, s in results.items()) + ".", ""]
+    if notes is not None:
+        lines += [notes.read_text().rstrip(), ""]
     (ROOT / "benchmarks" / "finetune_report.md").write_text("\n".join(lines))
 
 
@@ -227,6 +229,7 @@ def main() -> int:
                    help="train nothing: write the report from the results.json of runs already in --out")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra recipe override for every run (e.g. eval.data=[../shared/data/austen/emma.txt])")
+    p.add_argument("--notes", type=Path, help="a Markdown file appended to the report (how the runs were made)")
     p.add_argument("--checkpoint", action="append", default=[], metavar="RUN=step-N",
                    help="report a run stopped early from its checkpoint (e.g. pi=step-000050), evaluated now")
     args = p.parse_args()
@@ -257,7 +260,7 @@ def main() -> int:
         info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 "machine": machine(), "torch_threads": torch.get_num_threads(),
                 "checkpoints": checkpoint_ids(results)}
-        write_report(results, info)
+        write_report(results, info, args.notes)
     return 0 if all(r["acceptance"]["pass"] for r in results.values()) else 1
 
 
