@@ -1,0 +1,548 @@
+#!/usr/bin/env python
+"""Train the three reference checkpoints that ship in ``ctxext/assets/reference/``.
+
+    python benchmarks/train_reference.py [--out DIR] [--seed 0] [--steps N]
+
+One byte-level BPE tokenizer (``tokenizers``, 4096 entries) is trained on five Jane Austen novels
+(``emma.txt`` is held out), then three causal LMs of the same size are pretrained from scratch on
+the same token stream at a context of 256 tokens, one per positional family:
+
+* ``llama``: LlamaForCausalLM, rotary positions (rope_theta 10000), grouped-query attention;
+* ``gpt2``:  GPT2LMHeadModel, learned absolute positions (``wpe`` has 256 rows);
+* ``bloom``: BloomForCausalLM, ALiBi (eager attention).
+
+Everything runs on CPU with ``torch.set_num_threads(2)`` and is deterministic given ``--seed``
+(on the same machine and torch build). Each model is saved with ``save_pretrained`` as safetensors
+in the 16-bit dtype that loses least held-out perplexity (float32 if both lose more than
+``--max-dtype-loss``), with the tokenizer beside it; ``training.json`` records the configuration,
+steps, wall time, machine, date and held-out perplexity. The held-out book is shipped as
+``emma.txt.xz``.
+
+``--eval-only`` skips training and measures the checkpoints in ``--out`` at 1x, 2x, 4x and 8x the
+training length (LLaMA also with pi / ntk / yarn), the numbers in ``benchmarks/reference_training.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import lzma
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_DATA = ROOT.parent / "shared" / "data" / "austen"
+DEFAULT_OUT = ROOT / "ctxext" / "assets" / "reference"
+HELD_OUT = "emma.txt"
+EOS = "<|endoftext|>"
+TRAIN_LENGTH = 256
+NAMES = ("llama", "gpt2", "bloom")
+
+# Model size shared by the three families: hidden 192, 4 layers, 6 heads of 32, tied embeddings
+# (about 2.6M parameters; a 16-bit checkpoint is about 5 MB).
+HIDDEN, LAYERS, HEADS, VOCAB = 192, 4, 6, 4096
+
+
+# --------------------------------------------------------------------------------------------- data
+
+
+def read_books(data: Path) -> tuple[dict[str, str], str]:
+    books = sorted(p for p in data.glob("*.txt") if p.name != HELD_OUT)
+    if len(books) != 5 or not (data / HELD_OUT).exists():
+        raise SystemExit(f"expected five training books and {HELD_OUT} in {data}; found {[p.name for p in books]}")
+    return {p.name: p.read_text(encoding="utf-8") for p in books}, (data / HELD_OUT).read_text(encoding="utf-8")
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    """Byte-level BPE (GPT-2 style: no unknown token, lossless round trip) with one special token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def wrap_tokenizer(tok):
+    """A transformers fast tokenizer around the trained one. Built from the ``Tokenizer`` object and
+    saved as ``tokenizer.json``, so ``AutoTokenizer.from_pretrained(dir)`` loads it (building from
+    vocab.json/merges.txt through the fast-class constructor can come out empty in transformers 5)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=EOS)
+
+
+# -------------------------------------------------------------------------------------------- models
+
+
+def build_model(name: str, tokenizer):
+    import torch
+    from transformers import (
+        BloomConfig,
+        BloomForCausalLM,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    common = dict(vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos, tie_word_embeddings=True)
+    if name == "llama":
+        config = LlamaConfig(
+            hidden_size=HIDDEN,
+            intermediate_size=3 * HIDDEN,  # SwiGLU: 3 matrices; with GQA the layer matches GPT-2's size
+            num_hidden_layers=LAYERS,
+            num_attention_heads=HEADS,
+            num_key_value_heads=HEADS // 2,
+            max_position_embeddings=TRAIN_LENGTH,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+            rms_norm_eps=1e-5,
+            attn_implementation="sdpa",
+            **common,
+        )
+        cls = LlamaForCausalLM
+    elif name == "gpt2":
+        config = GPT2Config(
+            n_embd=HIDDEN,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            n_positions=TRAIN_LENGTH,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            attn_implementation="sdpa",
+            **common,
+        )
+        cls = GPT2LMHeadModel
+    elif name == "bloom":
+        config = BloomConfig(
+            hidden_size=HIDDEN,
+            n_layer=LAYERS,
+            n_head=HEADS,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            attn_implementation="eager",
+            **common,
+        )
+        cls = BloomForCausalLM
+    else:
+        raise ValueError(f"unknown reference model {name!r}; choose from {', '.join(NAMES)}")
+    return cls(config)
+
+
+def n_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())  # tied weights counted once
+
+
+# ---------------------------------------------------------------------------------------- evaluation
+
+
+def perplexity(model, ids, length: int, max_tokens: int | None = None) -> float:
+    """Perplexity over non-overlapping windows of ``length`` tokens (the first ``max_tokens`` tokens)."""
+    import torch
+
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    n = (len(ids) // length) * length
+    windows = ids[:n].view(-1, length)
+    batch = max(1, 4096 // length)
+    nll, count = 0.0, 0
+    with torch.inference_mode():
+        for i in range(0, len(windows), batch):
+            x = windows[i : i + batch]
+            logits = model(input_ids=x).logits.float()
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum"
+            )
+            nll += loss.item()
+            count += x[:, 1:].numel()
+    return math.exp(nll / count)
+
+
+def storage_roundtrip(model, dtype):
+    """A float32 copy of ``model`` whose weights went through ``dtype`` (what loading a 16-bit checkpoint
+    in float32 gives)."""
+    import copy
+
+    import torch
+
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.copy_(p.to(dtype).to(torch.float32))
+    return clone
+
+
+# ------------------------------------------------------------------------------------------ training
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def probe(model, name, held_ids) -> dict[str, float]:
+    """Held-out perplexity on the first 4096 tokens at 1x and (where positions allow) 4x the training length."""
+    was_training = model.training
+    model.eval()
+    out = {"ppl_256": round(perplexity(model, held_ids, TRAIN_LENGTH, 4096), 2)}
+    if name != "gpt2":  # GPT-2's wpe has 256 rows
+        out["ppl_1024"] = round(perplexity(model, held_ids, 4 * TRAIN_LENGTH, 4096), 2)
+    model.train(was_training)
+    return out
+
+
+def train_one(name, tokenizer, train_ids, held_ids, args):
+    import torch
+
+    torch.manual_seed(args.seed)
+    model = build_model(name, tokenizer)
+    model.train()
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+    )
+    # Same window order for every family: a generator seeded independently of the init.
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    span = TRAIN_LENGTH
+    starts_max = len(train_ids) - span
+    log_every = args.log_every or max(1, args.steps // 10)
+    t0, c0 = time.perf_counter(), time.process_time()
+    probe_seconds = 0.0
+    running = None
+    curve = []
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
+        starts = torch.randint(0, starts_max, (args.batch,), generator=gen)
+        x = torch.stack([train_ids[s : s + span] for s in starts.tolist()])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        running = loss.item() if running is None else 0.95 * running + 0.05 * loss.item()
+        if (step + 1) % log_every == 0 or step + 1 == args.steps:
+            elapsed = time.perf_counter() - t0 - probe_seconds
+            cpu = time.process_time() - c0
+            point = {"step": step + 1, "train_loss": round(running, 4), "seconds": round(elapsed, 1), "cpu_seconds": round(cpu, 1)}
+            if args.probe:
+                tp = time.perf_counter()
+                point.update(probe(model, name, held_ids))
+                probe_seconds += time.perf_counter() - tp
+            curve.append(point)
+            extra = "".join(f"  {k} {v:.1f}" for k, v in point.items() if k.startswith("ppl"))
+            print(
+                f"  [{name}] step {step + 1}/{args.steps}  loss {running:.3f}{extra}  "
+                f"{elapsed:.0f}s wall  ({(step + 1) * args.batch * span / elapsed:.0f} tok/s)",
+                flush=True,
+            )
+    seconds = {"wall": round(time.perf_counter() - t0 - probe_seconds, 1), "cpu": round(time.process_time() - c0, 1)}
+    model.eval()
+    return model, seconds, curve
+
+
+def choose_dtype(model, held_ids, args) -> tuple[str, dict[str, float]]:
+    import torch
+
+    ppl = {"float32": perplexity(model, held_ids, TRAIN_LENGTH, args.eval_tokens)}
+    for label, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
+        ppl[label] = perplexity(storage_roundtrip(model, dtype), held_ids, TRAIN_LENGTH, args.eval_tokens)
+    # float16 keeps 3 more mantissa bits than bfloat16 (and these small weights are far from its range
+    # limits); take bfloat16 only if float16 costs more than the tolerance and bfloat16 does not.
+    for best in ("float16", "bfloat16"):
+        if ppl[best] / ppl["float32"] - 1 <= args.max_dtype_loss:
+            return best, ppl
+    return "float32", ppl
+
+
+def save_model(model, tokenizer, dtype: str, folder: Path) -> int:
+    import torch
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    model = model.to(getattr(torch, dtype))
+    model.config.dtype = dtype
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    model.to(torch.float32)
+    return sum(f.stat().st_size for f in folder.iterdir())
+
+
+def check_saved(folder: Path, sample: str, ref_ppl: float, held_ids, args) -> float:
+    """Reload from disk exactly as users will and confirm the tokenizer and perplexity."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    ids = tok(sample)["input_ids"]
+    if len(tok) != VOCAB or tok.decode(ids) != sample:
+        raise SystemExit(f"tokenizer in {folder} does not round-trip (vocab {len(tok)})")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ppl = perplexity(model, held_ids, TRAIN_LENGTH, args.eval_tokens)
+    if abs(ppl / ref_ppl - 1) > 1e-4:
+        raise SystemExit(f"reloaded {folder.name} gives perplexity {ppl:.3f}, expected {ref_ppl:.3f}")
+    return ppl
+
+
+def machine() -> dict:
+    info = {"platform": platform.platform(), "python": platform.python_version(), "cpu_count": os.cpu_count()}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import tokenizers
+    import torch
+    import transformers
+
+    info.update(torch=torch.__version__, transformers=transformers.__version__, tokenizers=tokenizers.__version__)
+    info["torch_threads"] = torch.get_num_threads()
+    return info
+
+
+def train_and_save(name, args, tok_str, train_ids, held_ids, sample) -> tuple[str, dict]:
+    """Train, pick the storage dtype, save and re-check one model; returns its record for training.json."""
+    import torch
+    from tokenizers import Tokenizer
+
+    torch.set_num_threads(args.threads)
+    tokenizer = wrap_tokenizer(Tokenizer.from_str(tok_str))
+    t_model = time.perf_counter()
+    print(f"{name}: training {args.steps} steps of {args.batch}x{TRAIN_LENGTH} tokens on {args.threads} thread(s)", flush=True)
+    model, seconds, curve = train_one(name, tokenizer, train_ids, held_ids, args)
+    dtype, ppl = choose_dtype(model, held_ids, args)
+    folder = args.out / name
+    size = save_model(model, tokenizer, dtype, folder)
+    reloaded = check_saved(folder, sample, ppl[dtype], held_ids, args)
+    print(
+        f"{name}: {n_params(model) / 1e6:.2f}M parameters, {seconds['wall']:.0f}s wall ({seconds['cpu']:.0f}s cpu); "
+        "held-out ppl@256 "
+        + ", ".join(f"{k} {v:.2f}" for k, v in ppl.items())
+        + f"; saved {dtype}, {size / 1e6:.1f} MB",
+        flush=True,
+    )
+    return name, {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "class": type(model).__name__,
+        "parameters": n_params(model),
+        "config": json.loads(model.config.to_json_string()),
+        "threads": args.threads,
+        "train_seconds": seconds["wall"],
+        "train_cpu_seconds": seconds["cpu"],
+        "wall_seconds": round(time.perf_counter() - t_model, 1),
+        "loss_curve": curve,
+        "held_out_ppl_256": {k: round(v, 3) for k, v in ppl.items()},
+        "saved_dtype": dtype,
+        "saved_ppl_256": round(reloaded, 3),
+        "folder_bytes": size,
+    }
+
+
+def train(args) -> int:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    books, held = read_books(args.data)
+    print(f"training books: {', '.join(books)}; held out: {HELD_OUT}", flush=True)
+
+    t0 = time.perf_counter()
+    raw = train_tokenizer(list(books.values()), VOCAB)
+    tokenizer = wrap_tokenizer(raw)
+    tok_seconds = time.perf_counter() - t0
+    eos = tokenizer.convert_tokens_to_ids(EOS)
+    stream: list[int] = []
+    for text in books.values():
+        stream += raw.encode(text).ids + [eos]
+    train_ids = torch.tensor(stream, dtype=torch.long)
+    held_ids = torch.tensor(raw.encode(held).ids, dtype=torch.long)
+    print(
+        f"tokenizer: {len(tokenizer)} entries in {tok_seconds:.1f}s; {len(train_ids)} training tokens, "
+        f"{len(held_ids)} held-out tokens",
+        flush=True,
+    )
+
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    sample = held[:2000]
+    shared = {
+        "seed": args.seed,
+        "data": {
+            "train_books": list(books),
+            "held_out": HELD_OUT,
+            "train_tokens": len(train_ids),
+            "held_out_tokens": len(held_ids),
+        },
+        "tokenizer": {"kind": "byte-level BPE (tokenizers)", "vocab_size": len(tokenizer), "special": [EOS]},
+        "training": {
+            "length": TRAIN_LENGTH,
+            "steps": args.steps,
+            "batch": args.batch,
+            "tokens_seen": args.steps * args.batch * TRAIN_LENGTH,
+            "optimizer": "AdamW(betas=(0.9, 0.95))",
+            "lr": args.lr,
+            "warmup": args.warmup,
+            "schedule": "linear warmup, cosine decay to 0.1x",
+            "weight_decay": args.weight_decay,
+            "grad_clip": 1.0,
+            "windows": "uniformly random 256-token windows of the concatenated books (same order for every model)",
+        },
+        "eval": {
+            "text": HELD_OUT,
+            "tokens": min(len(held_ids), args.eval_tokens),
+            "length": TRAIN_LENGTH,
+            "windows": "non-overlapping",
+            "probes": "ppl_256 / ppl_1024 in loss_curve: first 4096 held-out tokens",
+        },
+    }
+    report = {"date": None, "machine": machine(), **shared, "models": {}}
+    # A run over a subset of the models keeps the others' records when they were trained the same way
+    # (same tokenizer, data and settings), so the three can be trained in separate invocations.
+    record = out / "training.json"
+    if record.exists():
+        old = json.loads(record.read_text())
+        if all(old.get(k) == v for k, v in shared.items()):
+            report["models"] = {k: v for k, v in old.get("models", {}).items() if k not in args.models}
+    tokenizer_json = None
+    for name in report["models"]:
+        if (out / name / "tokenizer.json").exists():
+            tokenizer_json = (out / name / "tokenizer.json").read_text()
+
+    def write_record():
+        report["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+        report["models"] = {k: report["models"][k] for k in NAMES if k in report["models"]}
+        record.write_text(json.dumps(report, indent=2) + "\n")
+
+    command = "python benchmarks/train_reference.py " + " ".join(sys.argv[1:])
+    tok_str = raw.to_str()
+    jobs = max(1, min(args.jobs, len(args.models)))
+    if jobs == 1:
+        results = (train_and_save(name, args, tok_str, train_ids, held_ids, sample) for name in args.models)
+    else:
+        # One process per model, each on ``--threads`` threads: the result of a model does not depend
+        # on how many are trained at once (each is deterministic given seed and thread count).
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor, as_completed
+
+        pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
+        futures = [pool.submit(train_and_save, n, args, tok_str, train_ids, held_ids, sample) for n in args.models]
+        results = (f.result() for f in as_completed(futures))
+    for name, record in results:
+        if tokenizer_json is not None and (out / name / "tokenizer.json").read_text() != tokenizer_json:
+            raise SystemExit(f"the tokenizer trained now differs from the one saved beside the other models in {out}")
+        report["models"][name] = {"command": command, **record}
+        write_record()  # as it goes
+    if jobs > 1:
+        pool.shutdown()
+
+    with lzma.open(out / "emma.txt.xz", "wt", encoding="utf-8", preset=9 | lzma.PRESET_EXTREME) as f:
+        f.write(held)
+    write_record()
+    print(f"done in {time.perf_counter() - t_start:.0f}s -> {out}", flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------ eval-only
+
+
+def evaluate(args) -> int:
+    """Held-out perplexity of the checkpoints in ``--out`` at 1x..8x the training length."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ctxext
+
+    torch.set_num_threads(args.threads)
+    text = lzma.open(args.out / "emma.txt.xz", "rt", encoding="utf-8").read()
+    lengths = [TRAIN_LENGTH * f for f in (1, 2, 4, 8)]
+    rows = []
+    for name in args.models:
+        folder = args.out / name
+        tok = AutoTokenizer.from_pretrained(folder)
+        ids = torch.tensor(tok(text)["input_ids"])
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        variants = [("none", None)]
+        if name == "llama":
+            variants += [(m, f) for f in (4, 8) for m in ("pi", "ntk", "yarn")]
+        for method, factor in variants:
+            row = {"model": name, "method": method, "factor": factor}
+            for length in lengths:
+                if name == "gpt2" and length > TRAIN_LENGTH:
+                    row[str(length)] = None  # wpe has 256 rows: needs the GPT-2 adapter
+                    continue
+                if method == "none":
+                    row[str(length)] = round(perplexity(model, ids, length, args.eval_tokens), 3)
+                else:
+                    with ctxext.patched(model, method, factor):
+                        row[str(length)] = round(perplexity(model, ids, length, args.eval_tokens), 3)
+            rows.append(row)
+            cells = "  ".join(f"{row[str(n)]:>8.2f}" if row[str(n)] is not None else f"{'n/a':>8}" for n in lengths)
+            label = method if factor is None else f"{method} x{factor}"
+            print(f"{name:6} {label:8} {cells}", flush=True)
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "text": HELD_OUT,
+        "tokens": args.eval_tokens,
+        "lengths": lengths,
+        "rows": rows,
+    }
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the checkpoints go (default: the package assets)")
+    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder with the six Austen novels")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=1200, help="optimizer steps per model")
+    p.add_argument("--batch", type=int, default=8, help="windows of 256 tokens per step")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=40)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads per model (results depend on it)")
+    p.add_argument("--jobs", type=int, default=3, help="models trained at once, one process each")
+    p.add_argument("--models", default=",".join(NAMES), help="comma-separated subset of llama,gpt2,bloom")
+    p.add_argument("--eval-tokens", type=int, default=32768, help="held-out tokens used for perplexity")
+    p.add_argument("--max-dtype-loss", type=float, default=0.005, help="largest relative ppl loss a 16-bit save may cost")
+    p.add_argument("--log-every", type=int, default=0, help="log every N steps (default: steps/10)")
+    p.add_argument("--no-probe", dest="probe", action="store_false", help="skip the perplexity probes while training")
+    p.add_argument("--eval-only", action="store_true", help="measure the saved checkpoints at 256..2048 tokens")
+    p.add_argument("--json", type=Path, help="with --eval-only: write the table as JSON here")
+    args = p.parse_args(argv)
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = set(args.models) - set(NAMES)
+    if unknown:
+        p.error(f"unknown model(s) {sorted(unknown)}; choose from {', '.join(NAMES)}")
+    return evaluate(args) if args.eval_only else train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
