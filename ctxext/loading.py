@@ -94,4 +94,7 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
         from peft import PeftModel
     except ImportError as exc:  # pragma: no cover - peft is a declared extra
         raise ImportError("loading an adapter needs peft: pip install 'ctxext[finetune]'") from exc
-    return PeftModel.from_pretrained(model, adapter_dir)
+    from .finetune.model import prepare_for_adapter
+
+    # a trained position table (GPT-2 + pi) is saved in modules_to_save: make it a parameter so it loads
+    return PeftModel.from_pretrained(prepare_for_adapter(model, adapter_dir), adapter_dir)

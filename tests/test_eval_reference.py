@@ -1,4 +1,4 @@
-"""The default run on the shipped reference checkpoints (skipped where they are not built)."""
+"""The default run on the shipped reference checkpoints."""
 
 from __future__ import annotations
 
@@ -7,21 +7,6 @@ import json
 import pytest
 
 from ctxext.cli import main
-
-
-def _references_present() -> bool:
-    try:
-        from ctxext import reference
-
-        for name in reference.REFERENCE_NAMES:
-            reference.reference_path(name)
-        reference.reference_text()
-    except (ImportError, FileNotFoundError):
-        return False
-    return True
-
-
-pytestmark = pytest.mark.skipif(not _references_present(), reason="reference checkpoints are not built")
 
 
 def test_demo_smoke_on_the_references(tmp_path):
