@@ -1,6 +1,6 @@
 """The reference checkpoints shipped inside the package, and the held-out book to measure them on.
 
-Three small causal LMs (about 4.2M parameters each, one byte-level BPE tokenizer of 4096 entries)
+Three small causal LMs (about 2.6M parameters each, one byte-level BPE tokenizer of 4096 entries)
 pretrained from scratch on five Jane Austen novels at a context of ``TRAIN_LENGTH`` = 256 tokens,
 one per positional family:
 
@@ -11,10 +11,11 @@ one per positional family:
 The sixth novel, *Emma*, was held out; ``reference_text()`` returns it. Everything loads from the
 installed package, with no network and no data outside it::
 
-    import ctxext
-    model = ctxext.reference_model("llama")
-    tok = ctxext.reference_tokenizer()
-    ids = tok(ctxext.reference_text())["input_ids"]
+    from ctxext.reference import reference_model, reference_text, reference_tokenizer
+
+    model = reference_model("llama")          # float32, eval mode
+    tok = reference_tokenizer()
+    ids = tok(reference_text())["input_ids"]  # about 247k tokens
 
 ``benchmarks/train_reference.py`` rebuilds the checkpoints; ``training.json`` beside them records how.
 """

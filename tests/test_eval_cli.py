@@ -217,3 +217,11 @@ def test_ctrl_c_keeps_finished_rows(llama_dir, tmp_path, monkeypatch, capsys):
     assert run(*args, "--resume") == 0
     assert "resuming: 2 finished row(s)" in capsys.readouterr().err
     assert len(json.loads(out.read_text())["results"]) == 4
+
+
+def test_output_never_overwrites_the_data(llama_dir, tmp_path, capsys):
+    data = tmp_path / "docs.jsonl"
+    data.write_text(json.dumps({"text": CORPUS.read_text()}) + "\n")
+    assert run("--model", llama_dir, "--data", data, "--lengths", "32", "--output", tmp_path / "docs.json") == 2
+    assert "would overwrite the data" in capsys.readouterr().err
+    assert json.loads(data.read_text())["text"]

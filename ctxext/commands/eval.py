@@ -131,105 +131,125 @@ def _machine(device: str) -> dict:
 
 
 def run_eval(args) -> int:
-    from .. import __version__
-    from ..evaluation import report
-    from ..evaluation.data import load_texts
-    from ..evaluation.demo import DEMO_MAX_TOKENS, demo_jobs, demo_lengths, reference_texts
+    from ..evaluation.demo import DEMO_MAX_TOKENS
     from ..evaluation.device import make_state, resolve_device
-    from ..evaluation.models import load_model, load_tokenizer
-    from ..evaluation.results import ResultStore
-    from ..evaluation.runner import ModelJob, Runner, Settings
+    from ..evaluation.results import ResultStore, jsonl_path
+    from ..evaluation.runner import Runner, Settings
     from ..evaluation.windows import check_protocol
 
     demo = args.model is None
-    command = args.command
     if demo and (args.gguf_file or args.adapter):
         raise ValueError("--gguf-file and --adapter need --model")
     device = resolve_device(args.device)
     state = make_state("cpu" if device == "cpu" else device)
-    lengths = args.lengths or (demo_lengths() if demo else None)
-    max_windows = args.max_windows
-    max_tokens = args.max_tokens
+    max_windows, max_tokens = args.max_windows, args.max_tokens
     if demo and max_windows is None and max_tokens is None:
         max_tokens = DEMO_MAX_TOKENS
     if args.methods:  # unknown names, bad factors and stray options fail before anything loads
         from ..evaluation.requests import parse_methods
 
         parse_methods(args.methods, factor=args.factor, options=args.option)
+    jobs, texts, lengths = _jobs(args, demo, device, state)
     for length in lengths or []:
         check_protocol(args.protocol, length, args.stride)  # bad stride: fail before loading anything
-    texts = load_texts(args.data, split=args.data_split, text_field=args.text_field) if args.data else None
-    if demo:
-        jobs = demo_jobs(texts, methods=args.methods, factor=args.factor, options=args.option,
-                         dtype=args.dtype, device=device)
-        texts = jobs[0].texts
-    else:
-        texts = texts or reference_texts()
-        model_id = args.model
-        if model_id.startswith((".", "/", "~")) and not Path(model_id).exists():
-            raise FileNotFoundError(f"model directory not found: {model_id}")
-        jobs = [ModelJob(
-            label=_model_label(model_id, args.gguf_file),
-            load_tokenizer=lambda: load_tokenizer(model_id, gguf_file=args.gguf_file),
-            load_model=lambda: load_model(model_id, gguf_file=args.gguf_file, adapter=args.adapter,
-                                          dtype=args.dtype, device=device, state=state),
-            texts=texts, methods=args.methods, factor=args.factor, options=args.option,
-            info={"model": model_id, "gguf_file": args.gguf_file, "adapter": args.adapter},
-        )]
+    output = args.output or (DEMO_OUTPUT if demo else EVAL_OUTPUT)
+    if args.data and Path(args.data).resolve() in (Path(output).resolve(), jsonl_path(output).resolve()):
+        raise ValueError(f"--output {output} would overwrite the data {args.data}; choose another --output")
     settings = Settings(
-        lengths=lengths, protocol=args.protocol, stride=args.stride, max_windows=max_windows,
-        max_tokens=max_tokens, batch_size=args.batch_size, passkey=args.passkey, passkey_depths=tuple(args.passkey_depths),
+        lengths=lengths, protocol=args.protocol, stride=args.stride, max_windows=max_windows, max_tokens=max_tokens,
+        batch_size=args.batch_size, passkey=args.passkey, passkey_depths=tuple(args.passkey_depths),
         passkey_trials=args.passkey_trials, seed=args.seed, progress=not args.no_progress,
     )
-    output = args.output or (DEMO_OUTPUT if demo else EVAL_OUTPUT)
-    fingerprint = {
+    fingerprint = {  # what must match for --resume to reuse rows
         "models": [dict(j.info, label=j.label) for j in jobs], "data": texts.info, "dtype": args.dtype,
-        "protocol": args.protocol, "stride": args.stride, "max_windows": max_windows,
-        "max_tokens": max_tokens, "passkey": [args.passkey, list(args.passkey_depths), args.passkey_trials, args.seed] if args.passkey else None,
+        "protocol": args.protocol, "stride": args.stride, "max_windows": max_windows, "max_tokens": max_tokens,
+        "passkey": [args.passkey, list(args.passkey_depths), args.passkey_trials, args.seed] if args.passkey else None,
     }
     store = ResultStore(output, fingerprint, resume=args.resume, enabled=state.is_main_process)
-    runner = Runner(settings, store, state, command=command)
+    runner = Runner(settings, store, state, command=args.command)
     if store.resumed:
         runner.log(f"resuming: {store.resumed} finished row(s) in {store.jsonl}")
     started = datetime.datetime.now(datetime.timezone.utc)
     try:
-        outcome = runner.run(jobs)
+        runner.run(jobs)
     finally:  # also on Ctrl-C and errors: the final JSON holds every finished row
         outcome = runner.outcome
         rows = store.ordered(outcome.planned)
-        document = {
-            "ctxext_version": __version__,
-            "created": started.isoformat(timespec="seconds"),
-            "command": ["ctxext"] + sys.argv[1:] if sys.argv and "ctxext" in sys.argv[0] else sys.argv,
-            "machine": _machine(device),
-            "processes": state.num_processes,
-            "model": outcome.models[0] if len(outcome.models) == 1 else None,
-            "models": outcome.models,
-            "data": texts.info,
-            "protocol": {"name": args.protocol, "stride": args.stride if args.protocol == "sliding" else None,
-                         "default_stride": "half the length" if args.protocol == "sliding" and args.stride is None else None,
-                         "max_windows": max_windows, "max_tokens": max_tokens, "batch_size": args.batch_size,
-                         "last_quarter": "targets in the last quarter of their window"},
-            "passkey": {"depths": list(args.passkey_depths), "trials": args.passkey_trials, "seed": args.seed}
-            if args.passkey else None,
-            "results": rows,
-            "errors": outcome.errors,
-            "interrupted": outcome.interrupted,
-        }
+        document = _document(args, started, device, state, outcome, texts, rows, max_windows, max_tokens)
         store.write_final(document)
     if state.is_main_process:
-        table = report.format_report(rows, outcome.models, document["protocol"])
-        if table:
-            print(table)
-        print(f"\nresults: {store.output} (rows: {store.jsonl})", file=sys.stderr)
-        plot_path = args.plot or (DEMO_PLOT if demo else None)
-        if plot_path and any(r.get("kind", "ppl") == "ppl" for r in rows):
-            report.plot(rows, outcome.models, plot_path, title=_plot_title(document))
-            print(f"plot: {plot_path}", file=sys.stderr)
+        _show(args, demo, store, rows, outcome, document)
     state.wait_for_everyone()  # no process exits (and makes torchrun stop the others) before the files are written
     if not rows and not outcome.errors:
         raise ValueError("nothing was evaluated")
     return 2 if outcome.errors else 0
+
+
+def _jobs(args, demo: bool, device: str, state):
+    """The models to evaluate (one, or the reference models), the texts, and the lengths (None: per model)."""
+    from ..evaluation.data import load_texts
+    from ..evaluation.demo import demo_jobs, demo_lengths, reference_texts
+    from ..evaluation.models import load_model, load_tokenizer
+    from ..evaluation.runner import ModelJob
+
+    texts = load_texts(args.data, split=args.data_split, text_field=args.text_field) if args.data else None
+    if demo:
+        jobs = demo_jobs(texts, methods=args.methods, factor=args.factor, options=args.option,
+                         dtype=args.dtype, device=device)
+        return jobs, jobs[0].texts, args.lengths or demo_lengths()
+    model_id = args.model
+    if model_id.startswith((".", "/", "~")) and not Path(model_id).exists():
+        raise FileNotFoundError(f"model directory not found: {model_id}")
+    texts = texts or reference_texts()
+    job = ModelJob(
+        label=_model_label(model_id, args.gguf_file),
+        load_tokenizer=lambda: load_tokenizer(model_id, gguf_file=args.gguf_file),
+        load_model=lambda: load_model(model_id, gguf_file=args.gguf_file, adapter=args.adapter,
+                                      dtype=args.dtype, device=device, state=state),
+        texts=texts, methods=args.methods, factor=args.factor, options=args.option,
+        info={"model": model_id, "gguf_file": args.gguf_file, "adapter": args.adapter},
+    )
+    return [job], texts, args.lengths
+
+
+def _document(args, started, device, state, outcome, texts, rows, max_windows, max_tokens) -> dict:
+    """The final results JSON."""
+    from .. import __version__
+
+    sliding = args.protocol == "sliding"
+    return {
+        "ctxext_version": __version__,
+        "created": started.isoformat(timespec="seconds"),
+        "command": ["ctxext"] + sys.argv[1:] if sys.argv and "ctxext" in sys.argv[0] else sys.argv,
+        "machine": _machine(device),
+        "processes": state.num_processes,
+        "model": outcome.models[0] if len(outcome.models) == 1 else None,
+        "models": outcome.models,
+        "data": texts.info,
+        "protocol": {"name": args.protocol, "stride": args.stride if sliding else None,
+                     "default_stride": "half the length" if sliding and args.stride is None else None,
+                     "max_windows": max_windows, "max_tokens": max_tokens, "batch_size": args.batch_size,
+                     "last_quarter": "targets in the last quarter of their window"},
+        "passkey": {"depths": list(args.passkey_depths), "trials": args.passkey_trials, "seed": args.seed}
+        if args.passkey else None,
+        "results": rows,
+        "errors": outcome.errors,
+        "interrupted": outcome.interrupted,
+    }
+
+
+def _show(args, demo: bool, store, rows, outcome, document) -> None:
+    """Tables on stdout, file names on stderr, and the plot."""
+    from ..evaluation import report
+
+    table = report.format_report(rows, outcome.models, document["protocol"])
+    if table:
+        print(table)
+    print(f"\nresults: {store.output} (rows: {store.jsonl})", file=sys.stderr)
+    plot_path = args.plot or (DEMO_PLOT if demo else None)
+    if plot_path and any(r.get("kind", "ppl") == "ppl" and r.get("ppl") for r in rows):
+        report.plot(rows, outcome.models, plot_path, title=_plot_title(document))
+        print(f"plot: {plot_path}", file=sys.stderr)
 
 
 def _model_label(model_id: str, gguf_file: str | None) -> str:

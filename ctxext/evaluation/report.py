@@ -99,8 +99,10 @@ def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path:
         ax.set_title(model.get("title") or model["label"], fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="best", framealpha=0.8)
-    if title:
-        fig.suptitle(title, fontsize=11)
+    if title:  # wrapped to the figure's width, so a one-panel plot does not cut it off
+        import textwrap
+
+        fig.suptitle("\n".join(textwrap.wrap(title, width=int(11 * fig.get_figwidth()))), fontsize=11)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
