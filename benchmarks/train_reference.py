@@ -11,12 +11,21 @@ the same token stream at a context of 256 tokens, one per positional family:
 * ``gpt2``:  GPT2LMHeadModel, learned absolute positions (``wpe`` has 256 rows);
 * ``bloom``: BloomForCausalLM, ALiBi (eager attention).
 
-Everything runs on CPU with ``torch.set_num_threads(2)`` and is deterministic given ``--seed``
-(on the same machine and torch build). Each model is saved with ``save_pretrained`` as safetensors
-in the 16-bit dtype that loses least held-out perplexity (float32 if both lose more than
-``--max-dtype-loss``), with the tokenizer beside it; ``training.json`` records the configuration,
-steps, wall time, machine, date and held-out perplexity. The held-out book is shipped as
-``emma.txt.xz``.
+Everything runs on CPU. By default the three models train at once, one process each on one thread
+(``--jobs 3 --threads 1``: about 4-5 CPU minutes per model, 7-8 minutes on an idle 2-core machine). Results are
+deterministic given ``--seed`` and ``--threads`` (1 and 2 threads differ in low-order bits) on the same torch
+build, whatever ``--jobs`` is. One thread per process is also the fast choice on a shared machine, where
+OpenMP threads spin-wait on each other whenever one is descheduled.
+
+Each model is saved with ``save_pretrained`` as safetensors in float16 if that costs at most
+``--max-dtype-loss`` of held-out perplexity, else bfloat16, else float32 (or ``--dtype``), with the tokenizer
+beside it, then reloaded as users will and checked. ``training.json`` records the configuration, steps,
+loss curve (with held-out perplexity probes), wall and CPU time, machine, date and held-out perplexity; a run
+over a subset of ``--models`` keeps the other models' records. The held-out book is shipped as ``emma.txt.xz``.
+
+The shipped GPT-2 and BLOOM come from the default command (byte-identical on re-run); the shipped LLaMA
+from ``--models llama --threads 2 --dtype bfloat16``. Write trial runs elsewhere with ``--out``: the default
+replaces the shipped checkpoints.
 
 ``--eval-only`` skips training and measures the checkpoints in ``--out`` at 1x, 2x, 4x and 8x the
 training length (LLaMA also with pi / ntk / yarn), the numbers in ``benchmarks/reference_training.md``.
@@ -271,6 +280,8 @@ def choose_dtype(model, held_ids, args) -> tuple[str, dict[str, float]]:
         ppl[label] = perplexity(storage_roundtrip(model, dtype), held_ids, TRAIN_LENGTH, args.eval_tokens)
     # float16 keeps 3 more mantissa bits than bfloat16 (and these small weights are far from its range
     # limits); take bfloat16 only if float16 costs more than the tolerance and bfloat16 does not.
+    if args.dtype != "auto":
+        return args.dtype, ppl
     for best in ("float16", "bfloat16"):
         if ppl[best] / ppl["float32"] - 1 <= args.max_dtype_loss:
             return best, ppl
@@ -452,10 +463,10 @@ def train(args) -> int:
         pool = ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"))
         futures = [pool.submit(train_and_save, n, args, tok_str, train_ids, held_ids, sample) for n in args.models]
         results = (f.result() for f in as_completed(futures))
-    for name, record in results:
+    for name, entry in results:
         if tokenizer_json is not None and (out / name / "tokenizer.json").read_text() != tokenizer_json:
             raise SystemExit(f"the tokenizer trained now differs from the one saved beside the other models in {out}")
-        report["models"][name] = {"command": command, **record}
+        report["models"][name] = {"command": command, **entry}
         write_record()  # as it goes
     if jobs > 1:
         pool.shutdown()
@@ -522,7 +533,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the checkpoints go (default: the package assets)")
     p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder with the six Austen novels")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--steps", type=int, default=1200, help="optimizer steps per model")
+    p.add_argument("--steps", type=int, default=400, help="optimizer steps per model")
     p.add_argument("--batch", type=int, default=8, help="windows of 256 tokens per step")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=40)
@@ -531,6 +542,12 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=3, help="models trained at once, one process each")
     p.add_argument("--models", default=",".join(NAMES), help="comma-separated subset of llama,gpt2,bloom")
     p.add_argument("--eval-tokens", type=int, default=32768, help="held-out tokens used for perplexity")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float16", "bfloat16", "float32"],
+        help="storage dtype; auto: float16, else bfloat16, if it costs at most --max-dtype-loss",
+    )
     p.add_argument("--max-dtype-loss", type=float, default=0.005, help="largest relative ppl loss a 16-bit save may cost")
     p.add_argument("--log-every", type=int, default=0, help="log every N steps (default: steps/10)")
     p.add_argument("--no-probe", dest="probe", action="store_false", help="skip the perplexity probes while training")
