@@ -90,6 +90,7 @@ def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path:
         ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
         ax.tick_params(axis="y", which="minor", labelsize=7)
+        ax.tick_params(axis="y", which="major", labelsize=8)  # a decade label no louder than the others
         if trained:
             ax.axvline(trained, color="grey", linestyle=":", linewidth=1.5)
             ax.text(trained, 0.02, " trained length", transform=ax.get_xaxis_transform(), rotation=90,
