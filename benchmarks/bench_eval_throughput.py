@@ -42,7 +42,7 @@ def held_out_text() -> tuple[str, str]:
         from ctxext.reference import reference_text
 
         return reference_text(), "ctxext.reference.reference_text() (Emma)"
-    except ImportError:
+    except (ImportError, FileNotFoundError):
         if AUSTEN.exists():
             return AUSTEN.read_text(), str(AUSTEN)
         raise SystemExit("no text: needs ctxext.reference or ../shared/data/austen/emma.txt")
@@ -53,7 +53,7 @@ def small_tokenizer(text: str):
         from ctxext.reference import reference_tokenizer
 
         return reference_tokenizer("llama")
-    except ImportError:
+    except (ImportError, FileNotFoundError):
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
         from transformers import PreTrainedTokenizerFast
 
@@ -110,27 +110,34 @@ def guide_sliding(model, ids: torch.Tensor, max_length: int, stride: int) -> tup
 
 
 def throughput(model, ids: torch.Tensor, length: int, stride: int, repeats: int) -> dict:
+    """Tokens scored per second (wall clock and CPU time) of the three loops; the order rotates every repeat,
+    so a change of machine load hits each loop alike; medians over repeats."""
     from ctxext.evaluation.perplexity import perplexity
 
-    runs = {"guide": [], "sliding": [], "chunks": []}
-    out = {}
-    model(ids[:, :length])  # warm up
-    for _ in range(repeats):
-        for name in runs:  # alternate, so load changes hit every variant alike
-            start = time.perf_counter()
+    names = ["guide", "sliding", "chunks"]
+    wall = {n: [] for n in names}
+    cpu = {n: [] for n in names}
+    out: dict = {}
+    perplexity(model, ids[0, : 2 * length], length, protocol="chunks", progress=False)  # warm up (and the head check)
+    for rep in range(repeats):
+        for name in names[rep % 3:] + names[: rep % 3]:
+            start, start_cpu = time.perf_counter(), time.process_time()
             if name == "guide":
                 ppl, tokens = guide_sliding(model, ids, length, stride)
             else:
                 res = perplexity(model, ids[0], length, protocol=name, stride=stride if name == "sliding" else None,
                                  progress=False)
                 ppl, tokens = res["ppl"], res["tokens"]
-            seconds = time.perf_counter() - start
-            runs[name].append(tokens / seconds)
+            wall[name].append(tokens / (time.perf_counter() - start))
+            cpu[name].append(tokens / (time.process_time() - start_cpu))
             out[name] = {"ppl": ppl, "tokens": tokens}
-    for name, rates in runs.items():
-        out[name].update(tokens_per_second_median=statistics.median(rates), tokens_per_second_runs=rates)
-    out["ratio_sliding_vs_guide"] = out["sliding"]["tokens_per_second_median"] / out["guide"]["tokens_per_second_median"]
-    out["ratio_chunks_vs_guide"] = out["chunks"]["tokens_per_second_median"] / out["guide"]["tokens_per_second_median"]
+    for name in names:
+        out[name].update(tokens_per_second_median=statistics.median(wall[name]), tokens_per_second_runs=wall[name],
+                         tokens_per_cpu_second_median=statistics.median(cpu[name]))
+    for name in ("sliding", "chunks"):
+        out[f"ratio_{name}_vs_guide"] = out[name]["tokens_per_second_median"] / out["guide"]["tokens_per_second_median"]
+        out[f"ratio_{name}_vs_guide_cpu_time"] = (
+            out[name]["tokens_per_cpu_second_median"] / out["guide"]["tokens_per_cpu_second_median"])
     return out
 
 
@@ -151,13 +158,26 @@ def _child(args) -> None:
         ids = torch.cat([ids, ids])
     from ctxext.evaluation.perplexity import perplexity
 
-    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    import gc
+
+    gc.collect()
+    load_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    before = _status_gb(os.getpid(), "VmRSS")
+    try:  # reset the high-water mark, so VmHWM below is the forward pass's own peak
+        Path("/proc/self/clear_refs").write_text("5")
+        reset = True
+    except OSError:
+        reset = False
     start = time.perf_counter()
     res = perplexity(model, ids[: args.length], args.length, protocol="chunks", progress=False)
     seconds = time.perf_counter() - start
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"ppl": res["ppl"], "seconds": seconds, "peak_rss_gb": peak / 2**20,
-                      "before_gb": base / 2**20}))
+    row = {"ppl": res["ppl"], "seconds": seconds, "peak_rss_gb": peak / 2**20, "load_peak_gb": load_peak / 2**20,
+           "before_forward_gb": before}
+    if reset:
+        row["forward_peak_gb"] = _status_gb(os.getpid(), "VmHWM")
+        row["forward_extra_gb"] = row["forward_peak_gb"] - before
+    print(json.dumps(row))
 
 
 def _available_gb() -> float:
@@ -167,14 +187,18 @@ def _available_gb() -> float:
     return 8.0
 
 
-def _rss_gb(pid: int) -> float:
+def _status_gb(pid: int, field: str) -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 2**20
     except OSError:
         pass
     return 0.0
+
+
+def _rss_gb(pid: int) -> float:
+    return _status_gb(pid, "VmRSS")
 
 
 def try_length(which: str, length: int, limit_gb: float, timeout: float) -> dict:
@@ -218,11 +242,13 @@ def memory_search(which: str, start: int, stop: int, limit_gb: float, timeout: f
     result = {"rows": rows, "memory_limit_gb": round(limit_gb, 1), "timeout_s": timeout,
               "longest_measured": max((r["length"] for r in ok), default=None)}
     if len(ok) >= 2:  # memory grows linearly in the length with sdpa (no T x T matrix): extrapolate
-        (l1, m1), (l2, m2) = [(r["length"], r["peak_rss_gb"]) for r in ok[-2:]]
+        key = "forward_peak_gb" if all("forward_peak_gb" in r for r in ok[-2:]) else "peak_rss_gb"
+        (l1, m1), (l2, m2) = [(r["length"], r[key]) for r in ok[-2:]]
         slope = (m2 - m1) / (l2 - l1)
         if slope > 0:
             result["estimated_longest_that_fits"] = int(l2 + (limit_gb - m2) / slope)
             result["gb_per_1k_tokens"] = round(slope * 1024, 4)
+            result["estimated_from"] = key
     return result
 
 
@@ -234,8 +260,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--smollm2", action="store_true", help="also SmolLM2-135M (throughput at --length and memory)")
     p.add_argument("--no-memory", action="store_true", help="skip the longest-length search")
+    p.add_argument("--skip-small", action="store_true", help="only SmolLM2 (with --smollm2)")
     p.add_argument("--max-length", type=int, default=65536, help="stop the small model's search here")
     p.add_argument("--smollm2-max-length", type=int, default=32768)
+    p.add_argument("--smollm2-tokens", type=int, default=8192, help="tokens scored in SmolLM2's throughput part")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per window in the memory search")
     p.add_argument("--output", default=str(HERE / "results" / "eval_throughput.json"))
     p.add_argument("--child", choices=["small", "smollm2"], help=argparse.SUPPRESS)
@@ -251,27 +279,40 @@ def main() -> None:
     report = {
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "memory_available_gb": round(_available_gb(), 1)},
+                    "threads": torch.get_num_threads(), "memory_available_gb": round(_available_gb(), 1),
+                    "load_average_at_start": list(os.getloadavg())},
         "text": source, "tokens": int(ids.shape[1]), "length": args.length, "stride": args.stride,
         "repeats": args.repeats,
         "small_model": {"config": "LLaMA, hidden 256, 4 layers, 8 heads / 4 KV, vocab %d" % len(tok),
                         "parameters": sum(p.numel() for p in model.parameters())},
     }
-    print(f"throughput: small model, L={args.length}, stride {args.stride}, {ids.shape[1]} tokens, "
-          f"median of {args.repeats}", flush=True)
-    report["throughput"] = {"small": throughput(model, ids, args.length, args.stride, args.repeats)}
+    report["throughput"] = {}
+    if not args.skip_small:
+        print(f"throughput: small model, L={args.length}, stride {args.stride}, {ids.shape[1]} tokens, "
+              f"median of {args.repeats}", flush=True)
+        report["throughput"]["small"] = throughput(model, ids, args.length, args.stride, args.repeats)
     if args.smollm2:
         smol, smol_tok = smollm2()
-        smol_ids = torch.tensor([smol_tok(text, verbose=False)["input_ids"][: args.tokens]])
+        smol_ids = torch.tensor([smol_tok(text, verbose=False)["input_ids"][: args.smollm2_tokens]])
+        print(f"throughput: SmolLM2, L={args.length}, stride {args.stride}, {smol_ids.shape[1]} tokens, "
+              f"median of {args.repeats}", flush=True)
         report["throughput"]["smollm2"] = throughput(smol, smol_ids, args.length, args.stride, args.repeats)
         del smol
     print_throughput(report["throughput"])
     if not args.no_memory:
         limit = 0.85 * _available_gb()
         print(f"longest window that fits: chunks protocol, one window, memory limit {limit:.1f} GB", flush=True)
-        report["memory"] = {"small": memory_search("small", 4096, args.max_length, limit, args.timeout)}
+        report["memory"] = {}
+        if not args.skip_small:
+            report["memory"]["small"] = memory_search("small", 4096, args.max_length, limit, args.timeout)
         if args.smollm2:
             report["memory"]["smollm2"] = memory_search("smollm2", 4096, args.smollm2_max_length, limit, args.timeout)
+    report["machine"]["load_average_at_end"] = list(os.getloadavg())
+    for name, mem in report.get("memory", {}).items():
+        est = mem.get("estimated_longest_that_fits")
+        print(f"{name}: longest measured {mem['longest_measured']} tokens"
+              + (f"; memory grows {mem['gb_per_1k_tokens']} GB per 1k tokens, so about {est} tokens would fit "
+                 f"in {mem['memory_limit_gb']} GB (an extrapolation; time, not memory, stops the search)" if est else ""))
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
@@ -279,13 +320,14 @@ def main() -> None:
 
 
 def print_throughput(results: dict) -> None:
-    print(f"{'model':10s} {'loop':8s} {'tokens':>8s} {'tok/s':>10s} {'vs guide':>9s} {'ppl':>10s}")
+    print(f"{'model':10s} {'loop':8s} {'tokens':>8s} {'tok/s':>9s} {'vs guide':>9s} {'tok/cpu-s':>10s} {'vs guide':>9s} {'ppl':>9s}")
     for name, res in results.items():
-        guide = res["guide"]["tokens_per_second_median"]
+        guide, guide_cpu = res["guide"]["tokens_per_second_median"], res["guide"]["tokens_per_cpu_second_median"]
         for loop in ("guide", "sliding", "chunks"):
             r = res[loop]
-            print(f"{name:10s} {loop:8s} {r['tokens']:8d} {r['tokens_per_second_median']:10.1f} "
-                  f"{r['tokens_per_second_median'] / guide:9.2f} {r['ppl']:10.2f}")
+            print(f"{name:10s} {loop:8s} {r['tokens']:8d} {r['tokens_per_second_median']:9.1f} "
+                  f"{r['tokens_per_second_median'] / guide:9.2f} {r['tokens_per_cpu_second_median']:10.1f} "
+                  f"{r['tokens_per_cpu_second_median'] / guide_cpu:9.2f} {r['ppl']:9.2f}")
 
 
 if __name__ == "__main__":
