@@ -176,8 +176,15 @@ def test_llama_patched_holds_at_4x(models, held_out_ids, ppl_256, method):
     assert ctxext.describe(model) is None
 
 
-# GPT-2 has 256 rows of learned positions: unpatched it cannot run past the training length at all, and its
-# long-context behaviour goes through the GPT-2 adapter (tested with that adapter), so no 4x check here.
+def test_gpt2_unpatched_cannot_read_past_training_length(models, held_out_ids, ppl_256):
+    # 256 rows of learned positions: the sharpest possible degradation is no prediction at all. The GPT-2
+    # adapter's table extension is what makes 4x readable (its numbers are in the report).
+    model = models["gpt2"]
+    with pytest.raises((IndexError, RuntimeError)):
+        perplexity(model, held_out_ids, 4 * TRAIN_LENGTH)
+    with ctxext.patched(model, "extrapolate", 4):
+        ppl_1024 = perplexity(model, held_out_ids, 4 * TRAIN_LENGTH)
+    assert math.isfinite(ppl_1024) and ppl_1024 <= PATCHED_MAX_RATIO * ppl_256["gpt2"], (ppl_256["gpt2"], ppl_1024)
 
 
 def test_bloom_alibi_degrades_gracefully_unpatched(models, held_out_ids, ppl_256):
