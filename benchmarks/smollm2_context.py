@@ -11,7 +11,7 @@ each length, ``--max-tokens`` tokens per (method, length) spread evenly over the
 6144-8191 at 8k, 12288-16383 at 16k): at 16k, tokens that sit past the training length.
 
 About 30 s per 8k window and 100 s per 16k window on an idle 2-core CPU, so the default (4 + 2 windows for each
-of 5 methods) takes about 25 minutes. The report is ``benchmarks/smollm2_context.md``.
+of 5 methods) takes about 30 minutes (29 measured). The report is ``benchmarks/smollm2_context.md``.
 """
 
 from __future__ import annotations
