@@ -203,11 +203,16 @@ def can_use_attention(model: nn.Module) -> str | None:
     return None
 
 
-def use_attention(model: nn.Module, name: str = ALIBI):
-    """Switch ``model`` to the registered attention ``name``; returns a function restoring the previous one exactly."""
+def require_attention(model: nn.Module) -> None:
+    """Raise PatchError unless ``model`` can take the ALiBi attention (the adapters' check for ``alibi``)."""
     reason = can_use_attention(model)
     if reason:
-        raise PatchError(reason)
+        raise PatchError(f"cannot swap in ALiBi: {reason}")
+
+
+def use_attention(model: nn.Module, name: str = ALIBI):
+    """Switch ``model`` to the registered attention ``name``; returns a function restoring the previous one exactly."""
+    require_attention(model)
     before = [(config, config._attn_implementation_internal) for config in _configs(model)]
 
     def restore():
@@ -224,4 +229,4 @@ def use_attention(model: nn.Module, name: str = ALIBI):
     return restore
 
 
-__all__ = ["ALIBI", "CHUNK_BYTES", "alibi_attention_forward", "can_use_attention", "use_attention"]
+__all__ = ["ALIBI", "CHUNK_BYTES", "alibi_attention_forward", "can_use_attention", "require_attention", "use_attention"]

@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import can_use_attention, use_attention
-from ..errors import PatchError
+from ..attention import require_attention, use_attention
 from ..methods import positions
 from ..spec import PatchSpec
 from .base import Adapter, Restore, run_all
@@ -89,9 +88,7 @@ class GPT2Adapter(Adapter):
 
     def check(self, model: nn.Module, spec: PatchSpec) -> None:
         if spec.method == "alibi":
-            reason = can_use_attention(model)
-            if reason:
-                raise PatchError(f"cannot swap in ALiBi: {reason}")
+            require_attention(model)
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
         undo: list[Restore] = []

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..attention import can_use_attention, use_attention
+from ..attention import require_attention, use_attention
 from ..errors import PatchError
 from ..methods import nope, rope
 from ..spec import PatchSpec
@@ -171,9 +171,7 @@ class RotaryAdapter(Adapter):
         for name, module in rotary_modules(model):
             rope_inputs(name, module, spec.original_length)
         if spec.method == "alibi":
-            reason = can_use_attention(model)
-            if reason:
-                raise PatchError(f"cannot swap in ALiBi: {reason}")
+            require_attention(model)
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
         undo: list[Restore] = []
