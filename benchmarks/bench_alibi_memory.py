@@ -31,18 +31,10 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from common import small_llama_config
+
 L0 = 1024
-CONFIG = dict(
-    vocab_size=4096,
-    hidden_size=256,
-    intermediate_size=704,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    max_position_embeddings=L0,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-    attn_implementation="sdpa",
-)
+CONFIG = small_llama_config(L0)
 TARGETS = {"memory_ratio": 1.5, "time_ratio": 2.0}
 
 

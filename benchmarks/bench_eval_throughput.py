@@ -29,10 +29,10 @@ import time
 from pathlib import Path
 
 import torch
+from common import small_llama_config, smollm2_gguf
 
 HERE = Path(__file__).resolve().parent
 AUSTEN = HERE.parent.parent / "shared" / "data" / "austen" / "emma.txt"
-SMOLLM2_TOOL = HERE.parent.parent / "shared" / "tools" / "smollm2.sh"
 
 
 # -- text and models ---------------------------------------------------------------------------------
@@ -70,17 +70,15 @@ def small_model(vocab: int, length: int):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=704, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=length,
-                      attn_implementation="sdpa")
+    cfg = LlamaConfig(**small_llama_config(length, vocab_size=vocab))
     return LlamaForCausalLM(cfg).eval()
 
 
 def smollm2():
-    path = subprocess.run(["bash", str(SMOLLM2_TOOL)], capture_output=True, text=True, check=True).stdout.strip().splitlines()[-1]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory, name = os.path.dirname(path), os.path.basename(path)
+    path = smollm2_gguf()
+    directory, name = str(path.parent), path.name
     tok = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
     return model, tok

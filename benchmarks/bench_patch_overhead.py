@@ -22,6 +22,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ctxext
+from common import small_llama_config
 
 L0 = 1024
 PAIRS = {
@@ -33,18 +34,7 @@ PAIRS = {
 
 
 def build(rope_parameters: dict, max_positions: int) -> LlamaForCausalLM:
-    config = LlamaConfig(
-        vocab_size=4096,
-        hidden_size=256,
-        intermediate_size=704,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        max_position_embeddings=max_positions,
-        rope_parameters={"rope_theta": 10000.0, **rope_parameters},
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(LlamaConfig(**small_llama_config(max_positions, rope_parameters=rope_parameters))).eval()
 
 
 def uses_sdpa(model, ids) -> bool:

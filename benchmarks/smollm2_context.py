@@ -17,20 +17,13 @@ of 5 methods) takes about 30 minutes (29 measured). The report is ``benchmarks/s
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 from pathlib import Path
 
+from common import smollm2_gguf
+
 HERE = Path(__file__).resolve().parent
-SMOLLM2_TOOL = HERE.parent.parent / "shared" / "tools" / "smollm2.sh"
 METHODS = "none,pi,ntk,dynamic-ntk,yarn"
-
-
-def smollm2_gguf() -> Path:
-    if not SMOLLM2_TOOL.exists():
-        raise SystemExit(f"{SMOLLM2_TOOL} not found: pass --gguf PATH to a SmolLM2 GGUF file")
-    out = subprocess.run(["bash", str(SMOLLM2_TOOL)], capture_output=True, text=True, check=True).stdout
-    return Path(out.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:

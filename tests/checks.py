@@ -1,8 +1,10 @@
-"""Shared checks for the GPT-2 / BLOOM / ALiBi / NoPE tests: cached decoding and padded batches."""
+"""Shared checks for the adapter tests: cached decoding, padded batches, causality, save and reload."""
 
 from __future__ import annotations
 
 import torch
+
+import ctxext
 
 VOCAB = 128
 
@@ -62,3 +64,19 @@ def causal(model, length: int = 60, cut: int = 25, seed: int = 9) -> None:
     la, lb = model(a).logits, model(b).logits
     torch.testing.assert_close(la[0, :cut], lb[0, :cut], atol=1e-6, rtol=0)
     assert not torch.allclose(la[0, cut:], lb[0, cut:])
+
+
+def patch_survives_save_and_reload(model, tmp_path, method, factor, ids, unpatched_ids=None):
+    """Patch, save, reload with ``ctxext.from_pretrained``: the same spec and bit-identical logits on ``ids``; after
+    unpatch, the unpatched model's logits on ``unpatched_ids`` (default ``ids``) bit for bit. Returns the reload."""
+    unpatched_ids = ids if unpatched_ids is None else unpatched_ids
+    unpatched = model(unpatched_ids).logits
+    ctxext.patch(model, method, factor)
+    patched = model(ids).logits
+    model.save_pretrained(tmp_path)
+    loaded = ctxext.from_pretrained(tmp_path)
+    assert ctxext.describe(loaded) == ctxext.describe(model)
+    assert torch.equal(loaded(ids).logits, patched)
+    ctxext.unpatch(loaded)
+    assert torch.equal(loaded(unpatched_ids).logits, unpatched)
+    return loaded

@@ -1,6 +1,9 @@
-"""Shared fixtures: tiny models built from configs (no hub access)."""
+"""Shared fixtures: tiny models built from configs (no hub access), and the real SmolLM2 for slow tests."""
 
 from __future__ import annotations
+
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -101,3 +104,14 @@ def gpt2():
 @pytest.fixture
 def bloom():
     return tiny_bloom()
+
+
+SMOLLM2_TOOL = Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "smollm2.sh"
+
+
+def smollm2_gguf() -> Path:
+    """The real SmolLM2-135M GGUF (trained to 8192) for the slow tests; skipped where ../shared is not mounted."""
+    if not SMOLLM2_TOOL.exists():
+        pytest.skip(f"{SMOLLM2_TOOL} not found: the slow SmolLM2 tests need the project's shared tools")
+    out = subprocess.run(["bash", str(SMOLLM2_TOOL)], capture_output=True, text=True, check=True).stdout
+    return Path(out.strip().splitlines()[-1])

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checks import causal, generate_equals_full_forward, padded_batch_equals_single_rows, no_eos
+from checks import (
+    causal,
+    generate_equals_full_forward,
+    no_eos,
+    padded_batch_equals_single_rows,
+    patch_survives_save_and_reload,
+)
 from conftest import tiny_bloom
 
 import ctxext
@@ -174,16 +180,7 @@ def test_pi_interpolates_distances():
 
 @pytest.mark.parametrize("method,factor", [("pi", 2.5), ("nope", None)])
 def test_patch_survives_save_and_reload(tmp_path, ids, method, factor):
-    model = tiny_bloom()
-    unpatched = model(ids).logits
-    ctxext.patch(model, method, factor)
-    patched = model(ids).logits
-    model.save_pretrained(tmp_path)
-    loaded = ctxext.from_pretrained(tmp_path)
-    assert ctxext.describe(loaded) == ctxext.describe(model)
-    assert torch.equal(loaded(ids).logits, patched)
-    ctxext.unpatch(loaded)
-    assert torch.equal(loaded(ids).logits, unpatched)
+    patch_survives_save_and_reload(tiny_bloom(), tmp_path, method, factor, ids)
 
 
 BAD = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from checks import causal, generate_equals_full_forward, padded_batch_equals_single_rows
+from checks import causal, generate_equals_full_forward, padded_batch_equals_single_rows, patch_survives_save_and_reload
 from conftest import tiny_gpt2
 
 import ctxext
@@ -160,16 +160,8 @@ def test_patch_survives_save_and_reload(tmp_path, method, factor):
     model = tiny_gpt2()
     short = torch.randint(0, 128, (1, N), generator=torch.Generator().manual_seed(8))
     long = torch.randint(0, 128, (1, 2 * N), generator=torch.Generator().manual_seed(8))
-    unpatched = model(short).logits
-    ctxext.patch(model, method, factor)
-    patched = model(long).logits
-    model.save_pretrained(tmp_path)
-    loaded = ctxext.from_pretrained(tmp_path)
-    assert ctxext.describe(loaded) == ctxext.describe(model)
-    assert torch.equal(loaded(long).logits, patched)
-    ctxext.unpatch(loaded)
+    loaded = patch_survives_save_and_reload(model, tmp_path, method, factor, long, unpatched_ids=short)
     assert loaded.config.n_positions == N and loaded.transformer.wpe.weight.shape[0] == N
-    assert torch.equal(loaded(short).logits, unpatched)
 
 
 def test_replace_switches_methods(gpt2, ids):

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
+from checks import generate_equals_full_forward, padded_batch_equals_single_rows
 from conftest import tiny_llama, tiny_neox
 
 import ctxext
@@ -12,34 +15,13 @@ L0 = 64
 METHODS = [("pi", 4), ("ntk", 4), ("dynamic-ntk", 4), ("yarn", 4), ("llama3", 4), ("extrapolate", 4), (None, None)]
 
 
-def _no_eos(model):
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
-
-
 @pytest.mark.parametrize("model_fn", [tiny_llama, tiny_neox])
 @pytest.mark.parametrize("method,factor", METHODS)
 def test_greedy_generate_with_cache_equals_full_forward(model_fn, method, factor):
-    model = _no_eos(model_fn())
+    model = model_fn()
     if method:
         ctxext.patch(model, method, factor)
-    prompt = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(4))
-    new = 40  # the sequence ends at 90 > L0
-    out = model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        max_new_tokens=new,
-        do_sample=False,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    sequence = out.sequences
-    assert sequence.shape[1] == 50 + new
-    full = model(sequence).logits[0, 49:-1]  # the logits that predicted each new token
-    steps = torch.cat(out.logits)
-    torch.testing.assert_close(steps, full, atol=1e-4, rtol=0)
-    assert torch.equal(full.argmax(-1), sequence[0, 50:])
+    generate_equals_full_forward(model, prompt_len=50, new=40)  # the sequence ends at 90 > L0
 
 
 def test_dynamic_manual_decode_with_length_hint_equals_full_forward():
@@ -85,30 +67,10 @@ def test_padded_batch_equals_single_rows(method, factor):
     model = tiny_llama()
     if method:
         ctxext.patch(model, method, factor)
-    gen = torch.Generator().manual_seed(7)
-    rows = [torch.randint(1, 128, (n,), generator=gen) for n in (110, 80)]
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):  # left padding, as for generation
-        ids[i, width - len(r) :] = r
-        mask[i, width - len(r) :] = 1
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
     # dynamic-ntk: a batch shares one scale (from its longest row); fix it for the single rows too
-    hint = ctxext.dynamic_length(model, width) if method == "dynamic-ntk" else _nullcontext()
+    hint = ctxext.dynamic_length(model, 110) if method == "dynamic-ntk" else contextlib.nullcontext()
     with hint:
-        batch = model(ids, attention_mask=mask, position_ids=positions).logits
-        for i, r in enumerate(rows):
-            single = model(r[None]).logits[0]
-            torch.testing.assert_close(batch[i, width - len(r) :], single, atol=1e-5, rtol=0)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
+        padded_batch_equals_single_rows(model, lengths=(110, 80))
 
 
 @pytest.mark.parametrize("method", ["pi", "ntk", "dynamic-ntk", "yarn", "llama3"])

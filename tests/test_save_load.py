@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_neox
+from conftest import smollm2_gguf, tiny_llama, tiny_neox
 
 import ctxext
 
@@ -60,9 +60,7 @@ def test_cli_methods_table_lists_rotary_methods():
 @pytest.mark.slow
 def test_smollm2_gguf_patch_save_reload(tmp_path):
     """The real SmolLM2 GGUF (trained to 8192): patch, save as safetensors, reload patched, unpatch."""
-    from pathlib import Path
-
-    path = Path(subprocess.run(["bash", _smollm2_script()], capture_output=True, text=True, check=True).stdout.strip())
+    path = smollm2_gguf()
     model = ctxext.from_pretrained(str(path.parent), gguf_file=path.name).eval()
     assert model.config.max_position_embeddings == 8192
     ids = torch.randint(0, 1000, (1, 64), generator=torch.Generator().manual_seed(9))
@@ -78,12 +76,6 @@ def test_smollm2_gguf_patch_save_reload(tmp_path):
         torch.testing.assert_close(loaded(ids).logits, patched, atol=1e-4, rtol=0)
         ctxext.unpatch(loaded)
         torch.testing.assert_close(loaded(ids).logits, base, atol=1e-4, rtol=0)
-
-
-def _smollm2_script():
-    from pathlib import Path
-
-    return str(Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "smollm2.sh")
 
 
 def test_patching_a_model_loaded_without_ctxext_starts_from_the_original_length(tmp_path):

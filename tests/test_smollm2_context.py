@@ -7,26 +7,20 @@ about 300 unpatched, 30 with ntk x2, against 26 unpatched at 8k).
 
 from __future__ import annotations
 
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
+from conftest import smollm2_gguf
 
 import ctxext
 from ctxext.evaluation.perplexity import perplexity
 from ctxext.reference import reference_text
-
-SMOLLM2_TOOL = Path(__file__).resolve().parents[1].parent / "shared" / "tools" / "smollm2.sh"
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def smollm2():
-    if not SMOLLM2_TOOL.exists():
-        pytest.skip(f"{SMOLLM2_TOOL} not found")
-    path = Path(subprocess.run(["bash", str(SMOLLM2_TOOL)], capture_output=True, text=True, check=True).stdout.strip())
+    path = smollm2_gguf()
     model = ctxext.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
     from transformers import AutoTokenizer
 
