@@ -32,10 +32,17 @@ def fake_reference(tmp_path, monkeypatch):
                 num_key_value_heads=2, max_position_embeddings=TRAIN, attn_implementation="sdpa")).eval()
         return GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=4, n_positions=TRAIN)).eval()
 
+    def reference_path(name):
+        folder = tmp_path / "reference" / name
+        if not folder.exists():
+            reference_model(name).save_pretrained(folder)
+        return folder
+
     fake = types.ModuleType("ctxext.reference")
     fake.REFERENCE_NAMES = ("llama", "gpt2")
     fake.TRAIN_LENGTH = TRAIN
     fake.reference_model = reference_model
+    fake.reference_path = reference_path
     fake.reference_tokenizer = lambda name: AutoTokenizer.from_pretrained(tok_dir)
     fake.reference_text = lambda: CORPUS.read_text()
     monkeypatch.setitem(sys.modules, "ctxext.reference", fake)

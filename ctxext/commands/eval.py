@@ -7,6 +7,7 @@ runs the default offline evaluation of the shipped reference models. Multi-proce
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -29,29 +30,42 @@ def _lengths(text: str) -> list[int]:
             continue
         scale = 1024 if part.endswith("k") else 1
         try:
-            value = int(float(part.rstrip("k")) * scale)
+            number = float(part.rstrip("k")) * scale
         except ValueError:
-            raise ValueError(f"--lengths: not a length: {part!r} (e.g. 512,1024,2k)") from None
-        if value < 2:
-            raise ValueError(f"--lengths: a length must be >= 2, got {part!r}")
-        out.append(value)
+            raise argparse.ArgumentTypeError(f"not a length: {part!r} (e.g. 512,1024,2k)") from None
+        if not number.is_integer() or number < 2:
+            raise argparse.ArgumentTypeError(f"a length must be a whole number of tokens >= 2, got {part!r}")
+        out.append(int(number))
     if not out:
-        raise ValueError("--lengths is empty")
+        raise argparse.ArgumentTypeError("no lengths given (e.g. 512,1024,2k)")
     return sorted(set(out))
 
 
-def _floats(text: str) -> tuple[float, ...]:
+def _depths(text: str) -> tuple[float, ...]:
     try:
-        return tuple(float(x) for x in text.split(",") if x.strip())
+        depths = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ValueError(f"--passkey-depths: expected numbers between 0 and 1, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected numbers between 0 and 1, got {text!r}") from None
+    if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+        raise argparse.ArgumentTypeError(f"depths are fractions of the context, between 0 and 1; got {text!r}")
+    return depths
+
+
+def _factor(text: str) -> float:
+    from ..evaluation.requests import parse_factor
+
+    try:
+        return parse_factor(text, "--factor")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--factor: ")) from None
 
 
 def _positive(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
-        import argparse
-
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
@@ -70,7 +84,7 @@ def add_eval_arguments(p, *, demo: bool) -> None:
     g = p.add_argument_group("patches")
     g.add_argument("--methods", help="comma-separated: none (unpatched), pi, ntk, yarn:8, ... "
                    "(default: none + every method that fits the model)")
-    g.add_argument("--factor", type=float, help="factor for every method that takes one "
+    g.add_argument("--factor", type=_factor, help="factor for every method that takes one "
                    "(default: longest length / the model's original length)")
     g.add_argument("--option", action="append", metavar="KEY=VALUE",
                    help="method option, for every method that accepts KEY, or METHOD.KEY=VALUE; repeatable")
@@ -95,13 +109,16 @@ def add_eval_arguments(p, *, demo: bool) -> None:
                    help="windows per forward pass (default: about 2048 tokens' worth, at most 16, at least 1)")
     g = p.add_argument_group("passkey retrieval")
     g.add_argument("--passkey", action="store_true", help="also run synthetic passkey retrieval")
-    g.add_argument("--passkey-depths", type=_floats, default=DEFAULT_DEPTHS, help="needle depths (default: 0,.25,.5,.75,1)")
+    g.add_argument("--passkey-depths", type=_depths, default=DEFAULT_DEPTHS, help="needle depths (default: 0,.25,.5,.75,1)")
     g.add_argument("--passkey-trials", type=_positive, default=2, help="trials per (length, depth) (default: 2)")
     g.add_argument("--seed", type=int, default=0, help="passkey seed (default: 0)")
     g = p.add_argument_group("output")
     g.add_argument("--output", help=f"results JSON; rows also go to a .jsonl beside it as they finish "
                    f"(default: {DEMO_OUTPUT if demo else EVAL_OUTPUT})")
     g.add_argument("--resume", action="store_true", help="keep the finished rows of an interrupted run and skip them")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace a finished run at --output (without it, or --resume, such a run is refused); the old "
+                   "files stay until the new run has its first row")
     g.add_argument("--plot", help="PNG of perplexity vs length" + (f" (default: {DEMO_PLOT})" if demo else ""))
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
@@ -131,30 +148,14 @@ def _machine(device: str) -> dict:
 
 
 def run_eval(args) -> int:
-    from ..evaluation.demo import DEMO_MAX_TOKENS
-    from ..evaluation.device import make_state, resolve_device
-    from ..evaluation.results import ResultStore, jsonl_path
+    from ..evaluation.device import make_state
+    from ..evaluation.results import ResultStore
     from ..evaluation.runner import Runner, Settings
-    from ..evaluation.windows import check_protocol
 
     demo = args.model is None
-    if demo and (args.gguf_file or args.adapter):
-        raise ValueError("--gguf-file and --adapter need --model")
-    device = resolve_device(args.device)
+    device, output, jobs, texts, lengths = _prepare(args, demo)  # every check: nothing loaded or written yet
     state = make_state("cpu" if device == "cpu" else device)
-    max_windows, max_tokens = args.max_windows, args.max_tokens
-    if demo and max_windows is None and max_tokens is None:
-        max_tokens = DEMO_MAX_TOKENS
-    if args.methods:  # unknown names, bad factors and stray options fail before anything loads
-        from ..evaluation.requests import parse_methods
-
-        parse_methods(args.methods, factor=args.factor, options=args.option)
-    jobs, texts, lengths = _jobs(args, demo, device, state)
-    for length in lengths or []:
-        check_protocol(args.protocol, length, args.stride)  # bad stride: fail before loading anything
-    output = args.output or (DEMO_OUTPUT if demo else EVAL_OUTPUT)
-    if args.data and Path(args.data).resolve() in (Path(output).resolve(), jsonl_path(output).resolve()):
-        raise ValueError(f"--output {output} would overwrite the data {args.data}; choose another --output")
+    max_windows, max_tokens = _caps(args, demo)
     settings = Settings(
         lengths=lengths, protocol=args.protocol, stride=args.stride, max_windows=max_windows, max_tokens=max_tokens,
         batch_size=args.batch_size, passkey=args.passkey, passkey_depths=tuple(args.passkey_depths),
@@ -168,44 +169,155 @@ def run_eval(args) -> int:
     store = ResultStore(output, fingerprint, resume=args.resume, enabled=state.is_main_process)
     runner = Runner(settings, store, state, command=args.command)
     if store.resumed:
-        runner.log(f"resuming: {store.resumed} finished row(s) in {store.jsonl}")
+        runner.log(f"resuming: {store.resumed} finished row(s) in {store.jsonl}"
+                   + (f"; {store.dropped} unreadable line(s) (a write cut by a kill) will be recomputed" if store.dropped else ""))
     started = datetime.datetime.now(datetime.timezone.utc)
     try:
         runner.run(jobs)
-    finally:  # also on Ctrl-C and errors: the final JSON holds every finished row
+    finally:  # also on Ctrl-C and errors: the final JSON holds every finished row (none: an earlier result stays)
         outcome = runner.outcome
         rows = store.ordered(outcome.planned)
         document = _document(args, started, device, state, outcome, texts, rows, max_windows, max_tokens)
-        store.write_final(document)
+        written = store.write_final(document)
     if state.is_main_process:
-        _show(args, demo, store, rows, outcome, document)
+        _show(args, demo, store, rows, outcome, document, written)
     state.wait_for_everyone()  # no process exits (and makes torchrun stop the others) before the files are written
     if not rows and not outcome.errors:
         raise ValueError("nothing was evaluated")
     return 2 if outcome.errors else 0
 
 
-def _jobs(args, demo: bool, device: str, state):
-    """The models to evaluate (one, or the reference models), the texts, and the lengths (None: per model)."""
+def _caps(args, demo: bool) -> tuple[int | None, int | None]:
+    from ..evaluation.demo import DEMO_MAX_TOKENS
+
+    if demo and args.max_windows is None and args.max_tokens is None:
+        return None, DEMO_MAX_TOKENS
+    return args.max_windows, args.max_tokens
+
+
+def _prepare(args, demo: bool):
+    """Check every argument, the files they name, the output and the methods x model family; load no model and
+    write nothing. Returns (device, output, jobs, texts, lengths)."""
     from ..evaluation.data import load_texts
+    from ..evaluation.device import resolve_device, resolve_dtype
+    from ..evaluation.requests import parse_methods, parse_options
+    from ..evaluation.results import check_output, jsonl_path
+    from ..evaluation.windows import check_protocol
+
+    if demo and (args.gguf_file or args.adapter):
+        raise ValueError("--gguf-file and --adapter need --model")
+    device = resolve_device(args.device)
+    resolve_dtype(args.dtype)
+    if args.methods:  # unknown names, bad factors and stray options
+        parse_methods(args.methods, factor=args.factor, options=args.option)
+    else:
+        parse_options(args.option)  # the form of each --option; which methods take them is checked per model
+    for length in args.lengths or []:
+        check_protocol(args.protocol, length, args.stride)  # a stride too long for a length
+    output = args.output or (DEMO_OUTPUT if demo else EVAL_OUTPUT)
+    if args.data and Path(args.data).resolve() in (Path(output).resolve(), jsonl_path(output).resolve()):
+        raise ValueError(f"--output {output} would overwrite the data {args.data}; choose another --output")
+    check_output(output, resume=args.resume, overwrite=args.overwrite)
+    plot = args.plot or (DEMO_PLOT if demo else None)
+    if plot:
+        _check_plot(plot, data=args.data)
+    if not demo:
+        from ..sources import check_source
+
+        check_source(args.model, gguf_file=args.gguf_file, what="--model")
+        if args.adapter is not None and not (Path(args.adapter) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"--adapter {args.adapter}: not a LoRA adapter folder (no adapter_config.json)")
+    texts = load_texts(args.data, split=args.data_split, text_field=args.text_field) if args.data else None
+    jobs, texts, lengths = _jobs(args, demo, device, texts)
+    _check_fit(args, jobs, lengths)
+    return device, output, jobs, texts, lengths
+
+
+def _check_plot(plot: str, *, data: str | None) -> None:
+    path = Path(plot)
+    if path.is_dir() or plot.endswith(("/", os.sep)):
+        raise ValueError(f"--plot {plot} is a directory; give a file name, e.g. {path / 'ppl.png'}")
+    if data and path.resolve() == Path(data).resolve():
+        raise ValueError(f"--plot {plot} would overwrite the data {data}; choose another --plot")
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"--plot {plot}: {parent} is a file, not a folder")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'ctxext[eval]'") from None
+
+
+def _check_fit(args, jobs, lengths) -> None:
+    """Methods x factors x model family, on each model's skeleton (no weights): a requested method that fits no
+    model, or a derived factor past the cap, is refused before anything loads. In the demo, a method that fits
+    some reference models runs on those and is reported for the others."""
+    from ..adapters import find_adapter
+    from ..errors import PatchError
+    from ..evaluation.preflight import unfit_requests
+    from ..evaluation.requests import NONE, parse_methods, parse_factor
+    from ..evaluation.runner import default_factor, default_lengths
+    from ..registry import METHODS
+
+    unfit: dict[str, list[str]] = {}
+    for job in jobs:
+        if job.load_skeleton is None:
+            continue
+        try:
+            skeleton = job.load_skeleton()
+        except (OSError, ValueError):
+            if len(jobs) == 1:
+                raise
+            continue  # the runner reports this model and runs the others
+        try:
+            adapter = find_adapter(skeleton)
+        except PatchError as exc:
+            if args.methods and any(m.strip().split(":")[0].lower() != NONE for m in args.methods.split(",")):
+                raise PatchError(f"{job.label}: {exc}") from None
+            continue  # unpatched only: fine for any model
+        original = adapter.original_length(skeleton)
+        if args.methods:
+            requests = parse_methods(args.methods, factor=job.factor, options=args.option)
+        else:  # the default set: every method that fits; its --option must apply to one of them
+            from ..api import available_methods
+
+            requests = parse_methods(None, factor=job.factor, options=args.option,
+                                     default=[NONE] + list(available_methods(skeleton)))
+        factor = job.factor
+        if factor is None and original and any(r.factor is None and METHODS[r.method].needs_factor
+                                                for r in requests if r.method != NONE):
+            job_lengths = lengths or default_lengths(original)
+            factor = default_factor(job_lengths, original)
+            parse_factor(factor, f"{job.label}: the default factor (longest length {max(job_lengths)} / the "
+                         f"model's original length {original})")
+        for problem in unfit_requests(skeleton, requests, default_factor=factor):
+            unfit.setdefault(job.label, []).append(problem)
+    if unfit and (len(jobs) == 1 or len(unfit) == len(jobs)):
+        raise PatchError("; ".join(f"{label}: {p}" for label, problems in unfit.items() for p in problems))
+
+
+def _jobs(args, demo: bool, device: str, texts):
+    """The models to evaluate (one, or the reference models), the texts, and the lengths (None: per model).
+    Nothing is loaded: each job holds loaders."""
     from ..evaluation.demo import demo_jobs, demo_lengths, reference_texts
     from ..evaluation.models import load_model, load_tokenizer
+    from ..evaluation.preflight import model_skeleton
     from ..evaluation.runner import ModelJob
 
-    texts = load_texts(args.data, split=args.data_split, text_field=args.text_field) if args.data else None
     if demo:
         jobs = demo_jobs(texts, methods=args.methods, factor=args.factor, options=args.option,
                          dtype=args.dtype, device=device)
         return jobs, jobs[0].texts, args.lengths or demo_lengths()
     model_id = args.model
-    if model_id.startswith((".", "/", "~")) and not Path(model_id).exists():
-        raise FileNotFoundError(f"model directory not found: {model_id}")
     texts = texts or reference_texts()
     job = ModelJob(
         label=_model_label(model_id, args.gguf_file),
         load_tokenizer=lambda: load_tokenizer(model_id, gguf_file=args.gguf_file),
-        load_model=lambda: load_model(model_id, gguf_file=args.gguf_file, adapter=args.adapter,
-                                      dtype=args.dtype, device=device, state=state),
+        load_model=lambda state: load_model(model_id, gguf_file=args.gguf_file, adapter=args.adapter,
+                                            dtype=args.dtype, device=device, state=state),
+        load_skeleton=lambda: model_skeleton(model_id, gguf_file=args.gguf_file),
         texts=texts, methods=args.methods, factor=args.factor, options=args.option,
         info={"model": model_id, "gguf_file": args.gguf_file, "adapter": args.adapter},
     )
@@ -238,17 +350,26 @@ def _document(args, started, device, state, outcome, texts, rows, max_windows, m
     }
 
 
-def _show(args, demo: bool, store, rows, outcome, document) -> None:
-    """Tables on stdout, file names on stderr, and the plot."""
+def _show(args, demo: bool, store, rows, outcome, document, written) -> None:
+    """Tables on stdout, file names on stderr, and the plot (only beside results this run wrote)."""
     from ..evaluation import report
 
     table = report.format_report(rows, outcome.models, document["protocol"])
     if table:
         print(table)
+    if written is None:
+        print("\nno results written: nothing finished in this run", file=sys.stderr)
+        return
     print(f"\nresults: {store.output} (rows: {store.jsonl})", file=sys.stderr)
     plot_path = args.plot or (DEMO_PLOT if demo else None)
     if plot_path and any(r.get("kind", "ppl") == "ppl" and r.get("ppl") for r in rows):
-        report.plot(rows, outcome.models, plot_path, title=_plot_title(document))
+        path = Path(plot_path)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # the suffix tells the format
+        try:
+            report.plot(rows, outcome.models, tmp, title=_plot_title(document))
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
         print(f"plot: {plot_path}", file=sys.stderr)
 
 

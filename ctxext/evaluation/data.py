@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import json
 from dataclasses import dataclass, field
@@ -80,21 +81,50 @@ def _load_dataset(name: str, split: str, text_field: str) -> list[str]:
         import datasets
     except ImportError:  # pragma: no cover - declared in the eval extra
         raise ImportError("loading a dataset needs `datasets`: pip install 'ctxext[eval]'") from None
+    from ..sources import hub_reachable
+
     path = Path(name)
+    offline = not path.exists() and not hub_reachable()
     try:
         if path.is_dir() and any((path / m).exists() for m in _DATASET_MARKERS):
             data = _pick_split(datasets.load_from_disk(str(path)), split, str(path))
         else:
-            data = datasets.load_dataset(name, split=split)
+            with _datasets_offline(offline):  # the local cache or a fast failure, instead of ~25 s of retries
+                data = datasets.load_dataset(name, split=split)
     except ValueError:
         raise
     except Exception as exc:  # network, missing dataset, bad split: one line for the user
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise OSError(
-            f"cannot load dataset {name!r} (split {split!r}): {first}"
-            + ("" if path.exists() else " (a hub dataset needs network access or a local cache)")
-        ) from exc
+        hint = ""
+        if offline:
+            hint = (" (the Hugging Face hub is unreachable and the dataset is not in the local cache; pass a text "
+                    "file, a folder of .txt files, a JSONL file, or a folder written by datasets' save_to_disk)")
+        elif not path.exists():
+            hint = " (a hub dataset needs network access or a local cache)"
+        raise OSError(f"cannot load dataset {name!r} (split {split!r}): {first}{hint}") from exc
     return _column(data, text_field, f"dataset {name!r}")
+
+
+@contextlib.contextmanager
+def _datasets_offline(offline: bool):
+    """datasets' and huggingface_hub's offline switches, for one call (both are read when a download starts)."""
+    if not offline:
+        yield
+        return
+    import datasets.config
+    from huggingface_hub import constants
+
+    saved = (datasets.config.HF_HUB_OFFLINE, getattr(datasets.config, "HF_DATASETS_OFFLINE", None),
+             constants.HF_HUB_OFFLINE)
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    if saved[1] is not None:
+        datasets.config.HF_DATASETS_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved[0], saved[2]
+        if saved[1] is not None:
+            datasets.config.HF_DATASETS_OFFLINE = saved[1]
 
 
 def load_texts(data: str, *, split: str = "test", text_field: str = "text") -> Texts:

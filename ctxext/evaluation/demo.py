@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .data import Texts
+from .preflight import model_skeleton
 from .runner import DEFAULT_MULTIPLES, ModelJob
 
 #: Tokens fed per (model, method, length) in the default run (64 windows at 1x ... 8 at 8x): the same
@@ -37,7 +38,7 @@ def demo_jobs(texts: Texts | None = None, *, methods: str | None = None, factor:
     texts = texts or reference_texts()
 
     def loader(name: str):
-        def load():
+        def load(state=None):
             from .device import resolve_dtype
 
             model = ref.reference_model(name)
@@ -53,6 +54,7 @@ def demo_jobs(texts: Texts | None = None, *, methods: str | None = None, factor:
         info: dict[str, Any] = {"model": f"ctxext.reference:{name}", "original_length": ref.TRAIN_LENGTH, "title": f"reference {name} (trained at {ref.TRAIN_LENGTH})"}
         jobs.append(ModelJob(
             label=name, load_tokenizer=lambda name=name: ref.reference_tokenizer(name), load_model=loader(name),
+            load_skeleton=lambda name=name: model_skeleton(str(ref.reference_path(name))),
             texts=texts, methods=methods, factor=factor if factor is not None else float(max(DEFAULT_MULTIPLES)),
             options=options, info=info,
         ))

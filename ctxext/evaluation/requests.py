@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PatchError
-from ..registry import METHODS, resolve_method
+from ..registry import MAX_FACTOR, METHODS, resolve_method
 
 NONE = "none"
 
@@ -45,13 +45,14 @@ def parse_options(pairs: list[str] | None) -> dict[str | None, dict[str, str]]:
     return out
 
 
-def _factor(text: str, what: str) -> float:
+def parse_factor(text, what: str) -> float:
+    """A factor from the command line (a number or a number-like string), between 1 and ``MAX_FACTOR``."""
     try:
         value = float(text)
-    except ValueError:
+    except (TypeError, ValueError):
         raise ValueError(f"{what}: factor must be a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 1:
-        raise ValueError(f"{what}: factor must be a number >= 1, got {text!r}")
+    if not math.isfinite(value) or not 1 <= value <= MAX_FACTOR:
+        raise ValueError(f"{what}: factor must be a number between 1 and {MAX_FACTOR:g}, got {text!r}")
     return value
 
 
@@ -78,7 +79,7 @@ def parse_methods(
             req = MethodRequest(NONE)
         else:
             info = resolve_method(name)
-            f = _factor(own, item) if own else None
+            f = parse_factor(own, item) if own else None
             if f is None and info.needs_factor:
                 f = factor
             opts = {k: v for k, v in by_method.get(None, {}).items() if k in info.options}

@@ -1,9 +1,13 @@
-"""Results that survive interruption: one JSONL line per finished row, then a final JSON.
+"""Results that survive interruption and never destroy an earlier run.
 
-``results.json`` gets ``results.jsonl`` beside it. The JSONL starts with a ``run`` line holding the
-run's settings; every finished (model, method, factor, length) row is appended and flushed at once.
-``resume=True`` keeps the rows of a previous run with the same settings and lets the evaluator skip
-them; without it the JSONL starts afresh.
+``results.json`` gets ``results.jsonl`` beside it. The JSONL starts with a ``run`` line holding the run's
+settings; every finished (model, method, factor, length) row is appended and flushed at once. ``resume=True``
+keeps the rows of a previous run with the same settings and lets the evaluator skip them.
+
+Nothing on disk changes until a run has a finished row to show for it: a fresh JSONL (header + first row) replaces
+an old one atomically, appends to a resumed one start on a new line (a line cut by a kill is dropped first), and
+the final JSON is written to a temporary file and renamed. :func:`check_output` refuses, before any work, an output
+that cannot be written or that holds a finished run the user did not ask to resume or overwrite.
 """
 
 from __future__ import annotations
@@ -30,41 +34,111 @@ def _differences(a: dict, b: dict) -> list[str]:
     return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
+def _read_lines(path: Path) -> tuple[list[dict[str, Any]], int, bool]:
+    """(parsed lines, unreadable lines, whether the file ends in a cut line)."""
+    data = path.read_bytes()
+    parsed, bad = [], 0
+    lines = data.split(b"\n")
+    cut = bool(lines[-1].strip())  # text after the last newline: a write that a kill interrupted
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            parsed.append(json.loads(line))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            bad += 1
+    return parsed, bad, cut
+
+
+def finished_rows(output: str | os.PathLike) -> int:
+    """Rows of a run already at ``output`` (its JSONL rows, or the final JSON's), 0 if none."""
+    jsonl, final = jsonl_path(output), Path(output)
+    count = 0
+    if jsonl.is_file():
+        count = sum(1 for row in _read_lines(jsonl)[0] if isinstance(row, dict) and row.get("kind") != "run")
+    if not count and final.is_file():
+        try:
+            count = len(json.loads(final.read_text(encoding="utf-8")).get("results") or [])
+        except (ValueError, AttributeError, UnicodeDecodeError):
+            count = 1  # a file we cannot read is still not ours to destroy
+    return count
+
+
+def check_output(output: str | os.PathLike, *, resume: bool, overwrite: bool, flag: str = "--output") -> None:
+    """Raise ValueError if ``output`` cannot take this run's results, or holds a finished run that neither
+    ``resume`` nor ``overwrite`` allows replacing. Touches nothing."""
+    if resume and overwrite:
+        raise ValueError("--resume keeps the finished rows and --overwrite discards them: give one of them")
+    out = Path(output)
+    if str(output).endswith(("/", os.sep)) or out.is_dir():
+        raise ValueError(f"{flag} {output} is a directory; give a file name, e.g. {out / 'eval.json'}")
+    jsonl = jsonl_path(out)
+    if jsonl.is_dir():
+        raise ValueError(f"{flag} {output}: its rows file {jsonl} is a directory; choose another {flag}")
+    parent = out.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {output}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {output}: cannot write in {parent}")
+    if not (resume or overwrite):
+        rows = finished_rows(out)
+        if rows:
+            raise ValueError(
+                f"{flag} {output} holds a finished run ({rows} row{'s' if rows != 1 else ''}); pass --resume to "
+                f"continue it, --overwrite to replace it, or choose another {flag}"
+            )
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with tmp.open("w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class ResultStore:
     def __init__(self, output: str | os.PathLike, settings: dict[str, Any], *, resume: bool = False, enabled: bool = True):
-        """``enabled=False`` (non-main processes) keeps rows in memory and writes nothing."""
+        """``enabled=False`` (non-main processes) keeps rows in memory and writes nothing. Reads only: nothing
+        is written before the first :meth:`add`."""
         self.output = Path(output)
         self.jsonl = jsonl_path(self.output)
         self.settings = json.loads(json.dumps(settings, default=str))
         self.enabled = enabled
         self.rows: dict[RowKey, dict[str, Any]] = {}
         self.resumed = 0
-        if resume and self.jsonl.exists():
+        #: Unreadable lines of the resumed JSONL (a cut last line included); they are recomputed.
+        self.dropped = 0
+        self._append = False  # True once self.jsonl holds this run's header and ends with a newline
+        self._cut = False
+        if resume and self.jsonl.is_file():
             self._load_previous()
-        if enabled:
-            self.output.parent.mkdir(parents=True, exist_ok=True)
-            if not self.rows:
-                with self.jsonl.open("w", encoding="utf-8") as fh:
-                    fh.write(json.dumps({"kind": "run", "settings": self.settings}) + "\n")
 
     def _load_previous(self) -> None:
+        lines, self.dropped, self._cut = _read_lines(self.jsonl)
         header = None
-        with self.jsonl.open(encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by an interruption
-                    continue
-                if row.get("kind") == "run":
-                    header = row.get("settings", {})
-                    continue
+        for row in lines:
+            if not isinstance(row, dict):
+                self.dropped += 1
+            elif row.get("kind") == "run":
+                header = row.get("settings", {})
+            elif "length" in row:
                 self.rows[row_key(row)] = row
         if header is not None and header != self.settings:
             raise ValueError(
                 f"--resume: {self.jsonl} was written by a run with other settings "
                 f"({', '.join(_differences(header, self.settings))}); use another --output or drop --resume"
             )
+        if header is None and self.rows:
+            raise ValueError(f"--resume: {self.jsonl} has no run header; it was not written by ctxext eval")
         self.resumed = len(self.rows)
+        self._append = header is not None
 
     def done(self, key: RowKey) -> dict[str, Any] | None:
         return self.rows.get(key)
@@ -72,11 +146,29 @@ class ResultStore:
     def add(self, row: dict[str, Any]) -> None:
         row = json.loads(json.dumps(row, default=str))
         self.rows[row_key(row)] = row
-        if self.enabled:
-            with self.jsonl.open("a", encoding="utf-8") as fh:
-                fh.write(json.dumps(row) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
+        if not self.enabled:
+            return
+        line = json.dumps(row) + "\n"
+        if not self._append:  # a fresh run: header and first row replace whatever was there, in one rename
+            self.output.parent.mkdir(parents=True, exist_ok=True)
+            _atomic_write(self.jsonl, json.dumps({"kind": "run", "settings": self.settings}) + "\n" + line)
+            self._append = True
+            return
+        if self._cut:
+            self._drop_cut_line()
+        with self.jsonl.open("a", encoding="utf-8") as fh:
+            fh.write(line)
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def _drop_cut_line(self) -> None:
+        """Truncate the JSONL after its last newline: a kill cut the line after it mid-write."""
+        with self.jsonl.open("r+b") as fh:
+            data = fh.read()
+            fh.truncate(data.rfind(b"\n") + 1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        self._cut = False
 
     def ordered(self, order: Iterable[RowKey] | None = None) -> list[dict[str, Any]]:
         """Rows in ``order`` (planned keys first), then any others in insertion order."""
@@ -89,10 +181,9 @@ class ResultStore:
         return out
 
     def write_final(self, document: dict[str, Any]) -> Path | None:
-        """Write the final JSON atomically (temp file + rename)."""
-        if not self.enabled:
+        """Write the final JSON atomically (temp file + rename), and only once this run has rows to show: a run
+        that produced nothing leaves an earlier result in place."""
+        if not self.enabled or not self.rows or not self._append:
             return None
-        tmp = self.output.with_suffix(self.output.suffix + ".tmp")
-        tmp.write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")
-        os.replace(tmp, self.output)
+        _atomic_write(self.output, json.dumps(document, indent=2, default=str) + "\n")
         return self.output

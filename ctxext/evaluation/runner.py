@@ -63,12 +63,23 @@ class ModelJob:
 
     label: str
     load_tokenizer: Callable[[], Any]
-    load_model: Callable[[], Any]
+    load_model: Callable[[Any], Any]  # called with the accelerate state (device placement)
     texts: Texts
     methods: str | None = None  # the --methods string; None = the default set
     factor: float | None = None
     options: list[str] | None = None
     info: dict[str, Any] = field(default_factory=dict)
+    #: The model without weights (see :mod:`.preflight`), for checks before anything loads; None: no such checks.
+    load_skeleton: Callable[[], Any] | None = None
+
+
+def default_lengths(original: int) -> list[int]:
+    return [int(original * m) for m in DEFAULT_MULTIPLES]
+
+
+def default_factor(lengths: list[int], original: int | None) -> float | None:
+    """The factor of requests that give none: the longest length over the model's original length (at least 1)."""
+    return max(1.0, max(lengths) / original) if original else None
 
 
 @dataclass
@@ -105,15 +116,13 @@ class Runner:
         original = info.get("original_length")
         if not original:
             raise ValueError(f"{info['label']}: the model advertises no context length; give --lengths")
-        return [int(original * m) for m in DEFAULT_MULTIPLES]
+        return default_lengths(original)
 
     def _requests(self, job: ModelJob, model, info: dict[str, Any], lengths: list[int]) -> list[MethodRequest]:
         loaded = info.get("loaded_patch")
         if job.methods is None and loaded:
             return [MethodRequest(loaded["method"], loaded["factor"], dict(loaded.get("options") or {}))]
-        factor = job.factor
-        if factor is None and info.get("original_length"):
-            factor = max(1.0, max(lengths) / info["original_length"])
+        factor = job.factor if job.factor is not None else default_factor(lengths, info.get("original_length"))
         try:
             fits = list(available_methods(model))
         except PatchError:
@@ -139,7 +148,7 @@ class Runner:
         s = self.settings
         tokenizer = job.load_tokenizer()
         docs = tokenize_texts(tokenizer, job.texts.texts)
-        model = job.load_model()
+        model = job.load_model(self.state)
         info = model_info(model, job.info.get("model", job.label), label=job.label, **{k: v for k, v in job.info.items() if k != "model"})
         info["tokens"] = sum(int(d.numel()) for d in docs)
         info["methods"] = {}
