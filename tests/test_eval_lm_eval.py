@@ -61,6 +61,10 @@ def test_model_type_patches_and_advertises_the_patched_length(model_dir):
     assert plain.max_length == 64 and plain.ctxext_spec is None
     with pytest.raises(ValueError, match="without method"):
         m.CtxextLM(pretrained=str(model_dir), beta_fast=16, device="cpu")
+    # model_args from a dict may be strings: a number-like factor is converted before ctxext.patch (numbers only)
+    args = {"pretrained": str(model_dir), "method": "pi", "factor": "2"}
+    lm = m.CtxextLM.create_from_arg_obj(args, {"device": "cpu"})
+    assert lm.ctxext_spec["factor"] == 2.0 and lm.max_length == 128
 
 
 def test_ctxext_lm_eval_command_on_a_local_task(model_dir, tasks, tmp_path, capsys):
