@@ -10,7 +10,7 @@
 
 Optional extras (``--only``): ``yarn``, ``nope``, ``gpt2`` (the other tiny recipes).
 Writes ``benchmarks/finetune_report.json`` and ``benchmarks/finetune_report.md`` with machine and date.
-Needs ``../shared/data/austen`` beside the checkout (the training novels).
+The training novels ship with the package (``data.files: [reference:train]`` in the tiny recipes).
 """
 
 from __future__ import annotations
@@ -228,7 +228,7 @@ def main() -> int:
     p.add_argument("--report-only", action="store_true",
                    help="train nothing: write the report from the results.json of runs already in --out")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="extra recipe override for every run (e.g. eval.data=[../shared/data/austen/emma.txt])")
+                   help="extra recipe override for every run (e.g. train.steps=20)")
     p.add_argument("--notes", type=Path, help="a Markdown file appended to the report (how the runs were made)")
     p.add_argument("--checkpoint", action="append", default=[], metavar="RUN=step-N",
                    help="report a run stopped early from its checkpoint (e.g. pi=step-000050), evaluated now")

@@ -8,8 +8,9 @@ one per positional family:
 * ``"gpt2"``:  GPT2LMHeadModel, learned absolute positions (256 rows in ``wpe``);
 * ``"bloom"``: BloomForCausalLM, ALiBi.
 
-The sixth novel, *Emma*, was held out; ``reference_text()`` returns it. Everything loads from the
-installed package, with no network and no data outside it::
+The sixth novel, *Emma*, was held out; ``reference_text()`` returns it. The five training novels ship too
+(``training_files()``, ``training_texts()``; fine-tune recipes name them ``data.files: [reference:train]``).
+Everything loads from the installed package, with no network and no data outside it::
 
     from ctxext.reference import reference_model, reference_text, reference_tokenizer
 
@@ -23,6 +24,7 @@ installed package, with no network and no data outside it::
 from __future__ import annotations
 
 import functools
+import importlib.resources
 import lzma
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,13 @@ TRAIN_LENGTH = 256
 
 _ROOT = Path(__file__).resolve().parent / "assets" / "reference"
 _TEXT = "emma.txt.xz"
+#: The five novels the reference models were trained on (``assets/reference/train/NAME.txt.xz``, see SOURCES.md there).
+TRAIN_BOOKS: tuple[str, ...] = ("mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility")
+#: Names for shipped text in recipes (``data.files: [reference:train]``): name -> what it is.
+DATA_NAMES: dict[str, str] = {
+    "train": "the five training novels, 3.1M characters",
+    "emma": "the held-out novel, Emma",
+}
 
 
 def _check_name(name: str) -> str:
@@ -87,3 +96,40 @@ def reference_text() -> str:
         raise FileNotFoundError(f"the held-out text {path} is missing; the package was installed without its assets")
     with lzma.open(path, "rt", encoding="utf-8") as f:
         return f.read()
+
+
+def _asset(*parts: str) -> Path:
+    """A file shipped under ``ctxext/assets`` (read through importlib.resources, so an installed wheel works)."""
+    return Path(str(importlib.resources.files("ctxext").joinpath("assets", *parts)))
+
+
+def training_files() -> list[Path]:
+    """The five training novels, xz-compressed text files in a fixed (sorted) order."""
+    files = [_asset("reference", "train", f"{book}.txt.xz") for book in TRAIN_BOOKS]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"the training text {', '.join(missing)} is missing from "
+                                f"{files[0].parent}; the package was installed without its assets")
+    return files
+
+
+def training_texts() -> list[str]:
+    """The five training novels as strings (about 3.1M characters in all), in ``TRAIN_BOOKS`` order."""
+    out = []
+    for path in training_files():
+        with lzma.open(path, "rt", encoding="utf-8") as f:
+            out.append(f.read())
+    return out
+
+
+def data_files(name: str) -> list[Path]:
+    """The shipped text files named ``name`` (a key of ``DATA_NAMES``): ``"train"`` or ``"emma"``."""
+    key = name.strip().lower() if isinstance(name, str) else name
+    if key == "train":
+        return training_files()
+    if key == "emma":
+        path = _asset("reference", _TEXT)
+        if not path.is_file():
+            raise FileNotFoundError(f"the held-out text {path} is missing; the package was installed without its assets")
+        return [path]
+    raise ValueError(f"unknown shipped text {name!r}; choose one of {', '.join(DATA_NAMES)}")

@@ -140,6 +140,22 @@ def test_recipe_errors(bases, tmp_path, change, message):
     assert message in str(err.value)
 
 
+def test_every_problem_is_reported_at_once(bases, tmp_path):
+    d = recipe_dict(bases, tmp_path / "out")
+    d["train"].update(steps="abc", lr="fast", stepz=1)
+    d["lora"].update(r=0, dropout=2)
+    d["data"]["files"] = ["/nonexistent/a.txt"]
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(d)
+    problems = err.value.problems
+    assert len(problems) == 6, problems
+    for key in ("train.stepz", "train.steps:", "train.lr:", "lora.r must be >= 1", "lora.dropout", "data.files:"):
+        assert any(key in p for p in problems), (key, problems)
+    message = str(err.value)
+    assert message.startswith("6 problems: ") and "\n" not in message
+    assert message.count("; ") >= 5
+
+
 def test_types_are_coerced(bases, tmp_path):
     r = make(bases, tmp_path, train={"lr": "2e-4", "steps": 10.0}, patch={"method": "none", "factor": None})
     assert r.train.lr == pytest.approx(2e-4) and r.train.steps == 10 and r.patch.method is None

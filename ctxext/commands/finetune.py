@@ -13,9 +13,11 @@ def register(sub) -> None:
         "before/after perplexity. Several processes: `accelerate launch -m ctxext finetune ...` or "
         "`torchrun --nproc_per_node N -m ctxext finetune ...`.",
     )
-    p.add_argument("recipe", help="recipe YAML file (e.g. recipes/tiny/llama_pi_lora.yaml)")
+    p.add_argument("recipe", help="recipe YAML file (e.g. recipes/tiny/llama_pi_lora.yaml); relative data paths in it "
+                   "are read from its folder, output.dir from the working directory")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a recipe key, value read as YAML (repeatable): --set train.steps=50")
+                   help="override a recipe key, value read as YAML (repeatable): --set train.steps=50; "
+                   "paths given here are relative to the working directory")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in output.dir")
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="stop (with a checkpoint) after N optimizer steps in this invocation; continue with --resume")
@@ -30,6 +32,13 @@ def run(args) -> int:
     from ..finetune import check, load_recipe
     from ..finetune import run as run_recipe
 
+    # argument checks first: nothing is read, loaded or written for a bad command line
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ValueError(f"--stop-after must be >= 1 (optimizer steps in this invocation), got {args.stop_after}")
+    if args.check and args.print_recipe:
+        raise ValueError("--check and --print-recipe: give one of them")
+    if args.resume and (args.check or args.print_recipe):
+        raise ValueError("--resume runs a recipe; it does not go with --check or --print-recipe")
     recipe = load_recipe(args.recipe, args.overrides)
     if args.print_recipe:
         print(recipe.to_yaml(), end="")
@@ -38,7 +47,5 @@ def run(args) -> int:
         result = check(recipe)
         print(json.dumps({"recipe": args.recipe, "ok": True, **result}, indent=2))
         return 0
-    if args.stop_after is not None and args.stop_after < 1:
-        raise ValueError("--stop-after must be >= 1")
     summary = run_recipe(recipe, resume=args.resume, stop_after=args.stop_after, progress=not args.no_progress)
     return 0 if summary.get("finished") or args.stop_after else 1

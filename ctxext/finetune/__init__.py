@@ -1,7 +1,7 @@
 """LoRA fine-tuning of patched models from short YAML recipes (see ``recipes/``).
 
     from ctxext.finetune import load_recipe, run
-    summary = run(load_recipe("recipes/tiny/llama_pi.yaml", ["train.steps=20"]))
+    summary = run(load_recipe("recipes/tiny/llama_pi_lora.yaml", ["train.steps=20"]))
 
 or ``ctxext finetune RECIPE.yaml [--set KEY=VALUE ...] [--resume]``; multi-process with
 ``accelerate launch -m ctxext finetune ...`` or ``torchrun --nproc_per_node N -m ctxext finetune ...``.

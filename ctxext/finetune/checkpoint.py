@@ -26,7 +26,7 @@ STATE = "state.json"
 #: Recipe keys that may change between an interrupted run and its resumption (they do not change the result).
 RESUMABLE_CHANGES = {
     "eval", "output.merged", "output.overwrite", "train.save_every", "train.keep_checkpoints", "train.log_every",
-    "model.attn_implementation",
+    "model.attn_implementation", "output.dir",  # output.dir is where the checkpoint was found (cwd may differ)
 }
 
 

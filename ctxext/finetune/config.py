@@ -19,7 +19,43 @@ import yaml
 
 
 class RecipeError(ValueError):
-    """A recipe that cannot run: unknown key, wrong type, missing data, a patch that does not fit."""
+    """A recipe that cannot run: unknown key, wrong type, missing data, a patch that does not fit.
+
+    ``problems`` lists every problem found (each starting with its key path); the message joins them on one line."""
+
+    def __init__(self, message: str, problems: list[str] | None = None):
+        super().__init__(message)
+        self.problems = list(problems) if problems else [message]
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+class Problems:
+    """Collects recipe problems so that all of them are reported at once."""
+
+    def __init__(self):
+        self.items: list[str] = []
+        #: key paths whose value could not be read (their later checks are skipped: no second message)
+        self.bad: set[str] = set()
+
+    def add(self, message: str, key: str | None = None) -> None:
+        if key is not None and any(key == b or key.startswith(b + ".") or key.startswith(b + "[") for b in self.bad):
+            return
+        message = _one_line(message)
+        if message not in self.items:
+            self.items.append(message)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+    def raise_if_any(self, prefix: str = "") -> None:
+        if not self.items:
+            return
+        n = len(self.items)
+        head = f"{prefix}{n} problems: " if n > 1 else prefix
+        raise RecipeError(head + "; ".join(self.items), self.items)
 
 
 @dataclass
@@ -61,9 +97,12 @@ class LoraConfig:
 @dataclass
 class DataConfig:
     #: text files (.txt, any other suffix read as text), JSONL files (.jsonl, one document per line under
-    #: ``text_field``) and folders of them (searched recursively, sorted)
+    #: ``text_field``), either xz-compressed (``.txt.xz``, ``.jsonl.xz``), folders of them (searched recursively,
+    #: sorted), and text shipped with ctxext: ``reference:train`` (the five Austen novels the reference models were
+    #: trained on) or ``reference:emma`` (the held-out novel). Relative paths are read from the recipe file's folder
+    #: (from the working directory when given with ``--set`` or when the recipe is built in code).
     files: list[str] = field(default_factory=list)
-    #: file names to skip inside folders (glob patterns), e.g. the held-out book
+    #: file names to skip (glob patterns, matched with and without a ``.xz`` suffix), e.g. the held-out book
     exclude: list[str] = field(default_factory=list)
     #: a ``datasets`` name or path, read with ``datasets.load_dataset(dataset, dataset_config, split=split)``
     dataset: Optional[str] = None
@@ -113,7 +152,8 @@ class TrainConfig:
 class EvalConfig:
     #: before/after perplexity at the end of the run
     enabled: bool = True
-    #: "reference" (the held-out book shipped with ctxext) or text files / folders
+    #: "reference" (the held-out book shipped with ctxext, also ``reference:emma``) or text files / folders
+    #: (relative paths as in data.files)
     data: Union[list[str], str] = "reference"
     #: evaluation lengths; default: [data.seq_length]
     lengths: list[int] = field(default_factory=list)
@@ -129,6 +169,7 @@ class EvalConfig:
 
 @dataclass
 class OutputConfig:
+    #: the run's folder; a relative path is relative to the working directory (as any command's output)
     dir: str = ""
     #: also save the merged model (base + LoRA folded in) under ``DIR/merged``
     merged: bool = False
@@ -145,7 +186,7 @@ class Recipe:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
-    #: the YAML file it came from (None when built in code); relative paths are tried against cwd, then its folder
+    #: the YAML file it came from (None when built in code): relative data paths are read from its folder
     source: Optional[str] = field(default=None, metadata={"internal": True})
 
     def to_dict(self) -> dict[str, Any]:
@@ -153,21 +194,62 @@ class Recipe:
         d.pop("source", None)
         return d
 
-    def to_yaml(self) -> str:
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+    def to_yaml(self, absolute_paths: bool = False) -> str:
+        """The recipe as YAML; ``absolute_paths``: relative data paths made absolute (for a copy saved elsewhere,
+        e.g. ``output.dir/recipe.yaml``, which would otherwise read them from its own folder)."""
+        d = self.to_dict()
+        if absolute_paths:
+            def fix(item):
+                if not isinstance(item, str) or item == "reference" or is_shipped(item):
+                    return item
+                return str(self.resolve_path(item))
+
+            d["data"]["files"] = [fix(f) for f in d["data"]["files"]]
+            e = d["eval"]["data"]
+            d["eval"]["data"] = fix(e) if isinstance(e, str) else [fix(f) for f in e]
+        return yaml.safe_dump(d, sort_keys=False)
+
+    @property
+    def base_dir(self) -> Path:
+        """The folder relative data paths are read from: the recipe file's folder, else the working directory."""
+        return Path(self.source).resolve().parent if self.source else Path.cwd()
 
     def resolve_path(self, path: str) -> Path:
-        """A path from the recipe: as given (absolute or relative to the working directory), else relative to the
-        recipe's folder or one of its parents (so ``../shared/data`` in ``recipes/tiny/x.yaml`` finds the folder
-        beside the checkout from anywhere)."""
+        """A path the recipe reads (data.files, eval.data): absolute, or relative to :attr:`base_dir`."""
         p = Path(path).expanduser()
-        if p.is_absolute() or p.exists() or self.source is None:
-            return p
-        folder = Path(self.source).resolve().parent
-        for base in [folder, *folder.parents]:
-            if (base / p).exists():
-                return base / p
-        return p
+        return p if p.is_absolute() else self.base_dir / p
+
+    def data_paths(self, items: list[str], key: str) -> list[Path]:
+        """Paths of data entries: ``reference:NAME`` -> the shipped files, anything else -> :meth:`resolve_path`."""
+        paths: list[Path] = []
+        for item in items:
+            if is_shipped(item):
+                paths.extend(shipped_files(item, key))
+            else:
+                paths.append(self.resolve_path(item))
+        return paths
+
+
+REFERENCE_PREFIX = "reference:"
+
+
+def is_shipped(item: str) -> bool:
+    return isinstance(item, str) and item.startswith(REFERENCE_PREFIX)
+
+
+def shipped_files(item: str, key: str) -> list[Path]:
+    """``reference:train`` / ``reference:emma`` -> the xz-compressed text files shipped with ctxext."""
+    from .. import reference
+
+    name = item[len(REFERENCE_PREFIX):]
+    try:
+        return reference.data_files(name)
+    except ValueError:
+        raise RecipeError(f"{key}: unknown shipped text {item!r}; choose one of "
+                          + ", ".join(f"{REFERENCE_PREFIX}{n} = {what}" for n, what in reference.DATA_NAMES.items())
+                          ) from None
+    except FileNotFoundError as exc:
+        raise RecipeError(f"{key}: {exc}") from None
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe) if not f.metadata.get("internal")}
@@ -188,10 +270,12 @@ def _type_name(tp) -> str:
         return name + (" or null" if len(args) < len(typing.get_args(tp)) else "")
     if origin is list:
         (inner,) = typing.get_args(tp) or (Any,)
-        return f"list of {_type_name(inner)}"
+        plural = {int: "integers", float: "numbers", str: "strings"}.get(inner, "values")
+        return f"a list of {plural}"
     if tp is dict:
-        return "mapping"
-    return {int: "integer", float: "number", str: "string", bool: "true/false"}.get(tp, getattr(tp, "__name__", str(tp)))
+        return "a mapping"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
 
 
 def _coerce(value: Any, tp, where: str) -> Any:
@@ -261,33 +345,71 @@ def _coerce(value: Any, tp, where: str) -> Any:
     raise RecipeError(f"{where}: unsupported type {tp}")  # pragma: no cover
 
 
-def _section(cls, data: Any, where: str):
+def _section(cls, data: Any, where: str, problems: Problems):
+    """Read one section; every unknown key and unreadable value goes to ``problems`` (the default stays)."""
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise RecipeError(f"{where}: must be a mapping of keys, got {data!r}")
+        problems.add(f"{where}: must be a mapping of keys ({', '.join(f.name for f in dataclasses.fields(cls))}), "
+                     f"got {data!r}")
+        problems.bad.add(where)
+        return cls()
     hints = _hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
     unknown = [k for k in data if k not in known]
     if unknown:
-        raise RecipeError(
-            f"unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; {where} accepts: {', '.join(known)}"
-        )
-    values = {k: _coerce(v, hints[k], f"{where}.{k}") for k, v in data.items()}
+        problems.add(f"unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
+                     f"{where} accepts: {', '.join(known)}")
+    values = {}
+    for k, v in data.items():
+        if k not in known:
+            continue
+        try:
+            values[k] = _coerce(v, hints[k], f"{where}.{k}")
+        except RecipeError as exc:
+            problems.add(str(exc))
+            problems.bad.add(f"{where}.{k}")
     return cls(**values)
 
 
-def recipe_from_dict(data: Any, source: str | None = None) -> Recipe:
+def recipe_from_dict(data: Any, source: str | None = None, problems: Problems | None = None) -> Recipe:
+    """Build and validate a recipe; every problem (with any already in ``problems``) is reported at once in one
+    :class:`RecipeError`."""
     if not isinstance(data, dict):
-        raise RecipeError(f"a recipe is a mapping of sections ({', '.join(SECTIONS)}), got {type(data).__name__}")
+        kind = "nothing" if data is None else f"a {_yaml_kind(data)} ({_short(data)})"
+        raise RecipeError(f"a recipe must be a mapping with sections {', '.join(SECTIONS)} "
+                          f"(e.g. 'model:' then '  name: reference:llama'), got {kind}")
+    problems = Problems() if problems is None else problems
     unknown = [k for k in data if k not in SECTIONS]
     if unknown:
-        raise RecipeError(f"unknown section(s) {', '.join(map(str, unknown))}; a recipe has: {', '.join(SECTIONS)}")
+        problems.add(f"unknown section(s) {', '.join(map(str, unknown))}; a recipe has: {', '.join(SECTIONS)}")
     hints = _hints(Recipe)
-    sections = {name: _section(hints[name], data.get(name), name) for name in SECTIONS}
+    sections = {name: _section(hints[name], data.get(name), name, problems) for name in SECTIONS}
     recipe = Recipe(**sections, source=source)
-    validate(recipe)
+    validate(recipe, problems)
+    problems.raise_if_any()
     return recipe
+
+
+def _yaml_kind(value: Any) -> str:
+    if isinstance(value, list):
+        return "list"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, bool):
+        return "true/false"
+    if isinstance(value, (int, float)):
+        return "number"
+    return type(value).__name__
+
+
+def _short(value: Any, limit: int = 40) -> str:
+    text = _one_line(repr(value))
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+#: keys whose values are paths the recipe reads; given with --set they are relative to the working directory
+_PATH_KEYS = {("data", "files"), ("eval", "data")}
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -295,9 +417,12 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise RecipeError(f"--set expects KEY=VALUE (e.g. train.steps=100), got {text!r}")
     key, raw = text.split("=", 1)
-    path = [p for p in key.strip().split(".")]
+    path = [p.strip() for p in key.strip().split(".")]
     if not key.strip() or any(not p for p in path):
-        raise RecipeError(f"--set: bad key {key!r} (e.g. train.steps=100)")
+        raise RecipeError(f"--set {text}: bad key {key.strip()!r}; a key is SECTION.NAME (e.g. train.steps=100)")
+    if len(path) == 1:
+        raise RecipeError(f"--set {text}: {key.strip()!r} is a whole section; set one key, SECTION.NAME=VALUE "
+                          f"(e.g. {key.strip()}.{_first_key(key.strip())}=...)")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
     except yaml.YAMLError:
@@ -305,40 +430,134 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
+def _first_key(section: str) -> str:
+    cls = _hints(Recipe).get(section)
+    return dataclasses.fields(cls)[0].name if dataclasses.is_dataclass(cls) else "key"
+
+
+def _absolute_from_cwd(value: Any) -> Any:
+    """A --set path value (or list of them) made absolute against the working directory."""
+    def fix(v):
+        if (isinstance(v, str) and v and v != "reference" and not is_shipped(v)
+                and not Path(v).expanduser().is_absolute()):
+            return str(Path.cwd() / Path(v).expanduser())
+        return v
+
+    if isinstance(value, list):
+        return [fix(v) for v in value]
+    return fix(value)
+
+
+def apply_overrides(data: dict, overrides: list[str], problems: Problems | None = None) -> dict:
+    """Apply ``--set KEY=VALUE`` overrides. Bad ones go to ``problems`` when given (the others still apply);
+    without it, every bad one is reported at once in a RecipeError."""
     data = dict(data or {})
+    own = problems is None
+    problems = Problems() if own else problems
     for text in overrides:
-        path, value = parse_override(text)
+        try:
+            path, value = parse_override(text)
+        except RecipeError as exc:
+            problems.add(str(exc))
+            continue
         if path[0] not in SECTIONS:
-            raise RecipeError(f"--set {text}: unknown section {path[0]!r}; a recipe has: {', '.join(SECTIONS)}")
+            problems.add(f"--set {text}: unknown section {path[0]!r}; a recipe has: {', '.join(SECTIONS)}")
+            continue
+        if tuple(path) in _PATH_KEYS:
+            value = _absolute_from_cwd(value)
         node = data
         for i, key in enumerate(path[:-1]):
             child = node.get(key)
             if child is None:
                 child = {}
             elif not isinstance(child, dict):
-                raise RecipeError(f"--set {text}: {'.'.join(path[: i + 1])} is not a section")
+                problems.add(f"--set {text}: {'.'.join(path[: i + 1])} is not a section")
+                break
             child = dict(child)
             node[key] = child
             node = child
-        node[path[-1]] = value
+        else:
+            node[path[-1]] = value
+    if own:
+        problems.raise_if_any()
+    return data
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last one silently)."""
+
+
+def _construct_mapping(loader, node, deep=False):
+    seen = {}
+    for key_node, _ in node.value:
+        try:
+            key = loader.construct_object(key_node, deep=True)
+            hash(key)
+        except Exception:  # noqa: BLE001 - let the normal constructor report odd keys
+            continue
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r} (first on line {seen[key] + 1})", key_node.start_mark)
+        seen[key] = key_node.start_mark.line
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> str:
+    """``FILE:LINE: problem`` from a YAML error (line numbers from 1)."""
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    problem = getattr(exc, "problem", None) or getattr(exc, "context", None) or str(exc)
+    context = getattr(exc, "context", None)
+    where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+    text = f"{where}: {problem}"
+    if context and context != problem:
+        text += f" ({context}" + (f" at line {exc.context_mark.line + 1}" if getattr(exc, "context_mark", None)
+                                  and exc.context_mark.line != getattr(mark, "line", None) else "") + ")"
+    hints = ("block end", "block mapping", "mapping values are not allowed", "could not find expected ':'")
+    if any(w in text for w in hints):
+        text += "; check the indentation and that each key is followed by ': '"
+    return _one_line(text + "; not valid YAML")
+
+
+def read_recipe_file(path: str | Path) -> dict:
+    """The recipe file as a mapping; a missing, unreadable, empty, non-YAML or non-mapping file is a RecipeError."""
+    path = Path(path)
+    if not path.exists():
+        raise RecipeError(f"recipe {str(path)!r} not found")
+    if path.is_dir():
+        raise RecipeError(f"recipe {str(path)!r} is a folder; give a recipe YAML file "
+                          "(e.g. recipes/tiny/llama_pi_lora.yaml)")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise RecipeError(f"recipe {path}: not UTF-8 text (byte {exc.start}); a recipe is a YAML file") from None
+    except OSError as exc:
+        raise RecipeError(f"recipe {path}: cannot read ({exc.strerror or exc})") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        raise RecipeError(_yaml_error(path, exc)) from None
+    if data is None:
+        raise RecipeError(f"recipe {path} is empty; a recipe is a mapping with sections {', '.join(SECTIONS)}")
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path}: a recipe must be a mapping with sections {', '.join(SECTIONS)}, got a "
+                          f"{_yaml_kind(data)} ({_short(data)})")
     return data
 
 
 def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Read a YAML recipe, apply ``--set`` overrides, and validate it (no model or data is loaded)."""
+    """Read a YAML recipe, apply ``--set`` overrides, and validate it (no model or data is loaded). Every problem
+    found (unknown keys, wrong types, bad values, missing files, bad overrides) is reported in one RecipeError."""
     path = Path(path)
-    if not path.is_file():
-        raise RecipeError(f"recipe {str(path)!r} not found")
+    data = read_recipe_file(path)
+    problems = Problems()
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise RecipeError(f"recipe {path}: not valid YAML: {exc}") from None
-    data = apply_overrides(data or {}, list(overrides))
-    try:
-        return recipe_from_dict(data, source=str(path))
+        data = apply_overrides(data, list(overrides), problems)
+        return recipe_from_dict(data, source=str(path), problems=problems)
     except RecipeError as exc:
-        raise RecipeError(f"recipe {path}: {exc}") from None
+        raise RecipeError(f"recipe {path}: {exc}", exc.problems) from None
 
 
 # ------------------------------------------------------------------------------------------- validation
@@ -348,79 +567,180 @@ MIXED = ("no", "bf16", "fp16")
 PROTOCOLS = ("chunks", "sliding")
 
 
-def validate(recipe: Recipe) -> None:
-    """Checks that need no model: required keys, ranges, known names, data present."""
+def validate(recipe: Recipe, problems: Problems | None = None) -> None:
+    """Checks that need no model: required keys, ranges, known names, data present. With ``problems``, adds to it;
+    without, raises one RecipeError listing every problem."""
+    own = problems is None
+    problems = Problems() if own else problems
+    err = problems.add
     m, p, lo, d, t, e, o = (recipe.model, recipe.patch, recipe.lora, recipe.data, recipe.train, recipe.eval,
                             recipe.output)
     if not m.name:
-        raise RecipeError("model.name is required (a hub id, a local directory, or reference:llama)")
+        err("model.name is required (a hub id, a local directory, or reference:llama)", "model.name")
+    elif m.name.startswith(REFERENCE_PREFIX):
+        from .. import reference
+
+        if m.name[len(REFERENCE_PREFIX):] not in reference.REFERENCE_NAMES:
+            err(f"model.name: unknown reference checkpoint {m.name!r}; choose one of "
+                + ", ".join(REFERENCE_PREFIX + n for n in reference.REFERENCE_NAMES), "model.name")
+    else:
+        _check_local_model(m, err)
     if m.dtype not in DTYPES:
-        raise RecipeError(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}")
+        err(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}", "model.dtype")
     if not o.dir:
-        raise RecipeError("output.dir is required (the folder for the adapter, checkpoints and log)")
+        err("output.dir is required (the folder for the adapter, checkpoints and log)", "output.dir")
+    else:
+        out = Path(o.dir).expanduser()
+        if out.exists() and not out.is_dir():
+            err(f"output.dir: {o.dir!r} is a file, not a folder", "output.dir")
+        elif not out.exists():
+            parent = next((q for q in out.absolute().parents if q.exists()), None)
+            if parent is not None and not parent.is_dir():
+                err(f"output.dir: {o.dir!r} cannot be made: {str(parent)!r} is a file", "output.dir")
 
     if p.method is not None and p.method.strip().lower() in ("none", ""):
         p.method = None
     if p.method is not None:
         from ..registry import resolve_method, validate_factor, validate_options
 
+        info = None
         try:
             info = resolve_method(p.method)
-            validate_factor(info, p.factor)
-            validate_options(info, p.options)
         except ValueError as exc:
-            raise RecipeError(f"patch: {exc}") from None
+            err(f"patch.method: {exc}", "patch.method")
+        if info is not None:
+            for check, key in ((lambda: validate_factor(info, p.factor), "patch.factor"),
+                               (lambda: validate_options(info, p.options), "patch.options")):
+                try:
+                    check()
+                except ValueError as exc:
+                    err(f"{key}: {exc}", key)
     elif p.factor is not None or p.options:
-        raise RecipeError("patch.factor/options given without patch.method")
+        err("patch.factor/options given without patch.method", "patch.method")
 
     if lo.r < 1:
-        raise RecipeError(f"lora.r must be >= 1, got {lo.r}")
+        err(f"lora.r must be >= 1, got {lo.r}", "lora.r")
+    if lo.alpha <= 0:
+        err(f"lora.alpha must be > 0, got {lo.alpha:g}", "lora.alpha")
     if not 0 <= lo.dropout < 1:
-        raise RecipeError(f"lora.dropout must be in [0, 1), got {lo.dropout}")
+        err(f"lora.dropout must be in [0, 1), got {lo.dropout:g}", "lora.dropout")
     if lo.bias not in ("none", "all", "lora_only"):
-        raise RecipeError(f"lora.bias must be none, all or lora_only, got {lo.bias!r}")
+        err(f"lora.bias must be none, all or lora_only, got {lo.bias!r}", "lora.bias")
+    if isinstance(lo.target_modules, list) and not lo.target_modules:
+        err("lora.target_modules is an empty list; name modules, use all-linear, or null for peft's default",
+            "lora.target_modules")
 
     if not d.files and not d.dataset:
-        raise RecipeError("data: give data.files (text/JSONL files or folders) or data.dataset (a datasets name)")
-    for f in d.files:
-        if not recipe.resolve_path(f).exists():
-            raise RecipeError(f"data.files: {f!r} not found (relative paths are read from the working directory"
-                              + (f", else from {Path(recipe.source).parent} or its parents" if recipe.source else "")
-                              + ")")
-    if d.seq_length is not None and d.seq_length < 2:
-        raise RecipeError(f"data.seq_length must be >= 2, got {d.seq_length}")
-    if d.max_documents is not None and d.max_documents < 1:
-        raise RecipeError(f"data.max_documents must be >= 1, got {d.max_documents}")
-    if d.max_sequences is not None and d.max_sequences < 1:
-        raise RecipeError(f"data.max_sequences must be >= 1, got {d.max_sequences}")
+        err("data: give data.files (text/JSONL files or folders, or reference:train) or data.dataset "
+            "(a datasets name)", "data.files")
+    _check_data_files(recipe, problems)
+    for key in ("seq_length",):
+        if getattr(d, key) is not None and getattr(d, key) < 2:
+            err(f"data.{key} must be >= 2, got {getattr(d, key)}", f"data.{key}")
+    for key in ("max_documents", "max_sequences"):
+        if getattr(d, key) is not None and getattr(d, key) < 1:
+            err(f"data.{key} must be >= 1, got {getattr(d, key)}", f"data.{key}")
+    if not d.text_field:
+        err("data.text_field must not be empty", "data.text_field")
 
     for key in ("steps", "batch_size", "micro_batch_size", "log_every"):
         if getattr(t, key) < 1:
-            raise RecipeError(f"train.{key} must be >= 1, got {getattr(t, key)}")
+            err(f"train.{key} must be >= 1, got {getattr(t, key)}", f"train.{key}")
     for key in ("warmup_steps", "save_every", "keep_checkpoints"):
         if getattr(t, key) < 0:
-            raise RecipeError(f"train.{key} must be >= 0, got {getattr(t, key)}")
-    if t.batch_size % t.micro_batch_size:
-        raise RecipeError(f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size "
-                          f"({t.micro_batch_size})")
+            err(f"train.{key} must be >= 0, got {getattr(t, key)}", f"train.{key}")
+    if t.micro_batch_size >= 1 and t.batch_size >= 1 and t.batch_size % t.micro_batch_size:
+        err(f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size "
+            f"({t.micro_batch_size})", "train.batch_size")
     if t.lr <= 0:
-        raise RecipeError(f"train.lr must be > 0, got {t.lr}")
+        err(f"train.lr must be > 0, got {t.lr:g}", "train.lr")
+    if t.weight_decay < 0:
+        err(f"train.weight_decay must be >= 0, got {t.weight_decay:g}", "train.weight_decay")
     if len(t.betas) != 2:
-        raise RecipeError(f"train.betas must be two numbers, got {t.betas}")
+        err(f"train.betas must be two numbers, got {t.betas}", "train.betas")
+    elif not all(0 <= b < 1 for b in t.betas):
+        err(f"train.betas must be in [0, 1), got {t.betas}", "train.betas")
+    if t.max_grad_norm is not None and t.max_grad_norm <= 0:
+        err(f"train.max_grad_norm must be > 0 or null (no clipping), got {t.max_grad_norm:g}", "train.max_grad_norm")
     if t.mixed_precision not in MIXED:
-        raise RecipeError(f"train.mixed_precision must be one of {', '.join(MIXED)}, got {t.mixed_precision!r}")
+        err(f"train.mixed_precision must be one of {', '.join(MIXED)}, got {t.mixed_precision!r}",
+            "train.mixed_precision")
     from transformers.trainer_utils import SchedulerType
 
     names = [s.value for s in SchedulerType]
     if t.scheduler not in names:
-        raise RecipeError(f"train.scheduler must be one of {', '.join(names)}, got {t.scheduler!r}")
+        err(f"train.scheduler must be one of {', '.join(names)}, got {t.scheduler!r}", "train.scheduler")
 
     if e.protocol not in PROTOCOLS:
-        raise RecipeError(f"eval.protocol must be one of {', '.join(PROTOCOLS)}, got {e.protocol!r}")
+        err(f"eval.protocol must be one of {', '.join(PROTOCOLS)}, got {e.protocol!r}", "eval.protocol")
     if any(n < 2 for n in e.lengths):
-        raise RecipeError(f"eval.lengths must be >= 2, got {e.lengths}")
+        err(f"eval.lengths must be >= 2, got {e.lengths}", "eval.lengths")
+    for key in ("stride", "max_windows", "batch_size"):
+        value = getattr(e, key)
+        if value is not None and value < 1:
+            err(f"eval.{key} must be >= 1{' or null' if key != 'batch_size' else ''}, got {value}", f"eval.{key}")
     if e.enabled:
         data = [e.data] if isinstance(e.data, str) else e.data
+        if not data:
+            err("eval.data is empty; use reference (the held-out book) or files, or set eval.enabled: false",
+                "eval.data")
         for f in data:
-            if f != "reference" and not recipe.resolve_path(f).exists():
-                raise RecipeError(f"eval.data: {f!r} not found (use 'reference' for the held-out book)")
+            if f == "reference":
+                continue
+            try:
+                path = recipe.data_paths([f], "eval.data")[0]
+            except RecipeError as exc:
+                err(str(exc), "eval.data")
+                continue
+            if not path.exists():
+                err(f"eval.data: {f!r} not found{_where(recipe, f)} (use 'reference' for the held-out book)",
+                    "eval.data")
+    if own:
+        problems.raise_if_any()
+
+
+def _check_local_model(m: ModelConfig, err) -> None:
+    """model.name / model.tokenizer that name a local folder (or look like a path) must be loadable from it.
+    Hub ids are checked when the run starts (``sources.check_source``), so --check works offline."""
+    from ..sources import _looks_like_path, check_source
+
+    for key, name, gguf in (("model.name", m.name, m.gguf_file), ("model.tokenizer", m.tokenizer, None)):
+        if not name or name.startswith(REFERENCE_PREFIX):
+            continue
+        if not (_looks_like_path(name) or Path(name).expanduser().exists()):
+            continue
+        try:
+            check_source(name, gguf_file=gguf, revision=m.revision, what=key)
+        except (ValueError, OSError) as exc:
+            err(str(exc), key)
+
+
+def _where(recipe: Recipe, item: str) -> str:
+    if Path(item).expanduser().is_absolute():
+        return ""
+    return f" (relative paths are read from {'the recipe folder ' if recipe.source else ''}{recipe.base_dir})"
+
+
+def _check_data_files(recipe: Recipe, problems: Problems) -> None:
+    """data.files: every entry exists; folders hold text; data.exclude does not drop everything."""
+    from .data import expand_files
+
+    d = recipe.data
+    paths, complete = [], True
+    for f in d.files:
+        try:
+            found = recipe.data_paths([f], "data.files")
+        except RecipeError as exc:
+            problems.add(str(exc), "data.files")
+            complete = False
+            continue
+        if not all(q.exists() for q in found):
+            problems.add(f"data.files: {f!r} not found{_where(recipe, f)}", "data.files")
+            complete = False
+            continue
+        paths.extend(found)
+    if paths and complete and not any(b in ("data.files", "data.exclude") for b in problems.bad):
+        try:
+            expand_files(paths, d.exclude)
+        except RecipeError as exc:
+            problems.add(str(exc), "data.files")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import json
+import lzma
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,22 +17,53 @@ from .config import DataConfig, RecipeError
 
 TEXT_SUFFIXES = {".txt", ".md", ".text", ".rst"}
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
+#: compressed files are read through lzma; the suffix before it decides text or JSONL (``book.txt.xz``)
+COMPRESSED_SUFFIXES = {".xz"}
 
 
-def _expand(paths: list[Path], exclude: list[str]) -> list[Path]:
+def _plain_name(path: Path) -> str:
+    """The file name without a compression suffix: ``book.txt.xz`` -> ``book.txt``."""
+    return path.stem if path.suffix.lower() in COMPRESSED_SUFFIXES else path.name
+
+
+def _inner_suffix(path: Path) -> str:
+    return Path(_plain_name(path)).suffix.lower()
+
+
+def _open_text(path: Path):
+    if path.suffix.lower() in COMPRESSED_SUFFIXES:
+        return lzma.open(path, "rt", encoding="utf-8", errors="replace")
+    return path.open(encoding="utf-8", errors="replace")
+
+
+def read_text(path: Path) -> str:
+    try:
+        with _open_text(path) as fh:
+            return fh.read()
+    except lzma.LZMAError as exc:
+        raise RecipeError(f"data: {path}: not a valid .xz file ({exc})") from None
+
+
+def _excluded(path: Path, exclude: list[str]) -> bool:
+    return any(fnmatch.fnmatch(path.name, pat) or fnmatch.fnmatch(_plain_name(path), pat) for pat in exclude)
+
+
+def expand_files(paths: list[Path], exclude: list[str]) -> list[Path]:
+    """Files to read, in order: folders searched recursively (sorted) for text, JSONL and their .xz forms, then
+    ``exclude`` (glob patterns, matched with and without a .xz suffix) applied."""
     files: list[Path] = []
     for p in paths:
         if p.is_dir():
             found = sorted(
                 f for f in p.rglob("*")
-                if f.is_file() and f.suffix.lower() in TEXT_SUFFIXES | JSONL_SUFFIXES and not f.name.startswith(".")
+                if f.is_file() and _inner_suffix(f) in TEXT_SUFFIXES | JSONL_SUFFIXES and not f.name.startswith(".")
             )
             if not found:
                 raise RecipeError(f"data.files: folder {str(p)!r} holds no .txt or .jsonl files")
             files.extend(found)
         else:
             files.append(p)
-    kept = [f for f in files if not any(fnmatch.fnmatch(f.name, pat) for pat in exclude)]
+    kept = [f for f in files if not _excluded(f, exclude)]
     if not kept:
         raise RecipeError(f"data.files: every file is excluded by data.exclude {exclude}")
     return kept
@@ -46,9 +78,9 @@ def iter_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
 
 
 def _all_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
-    for f in _expand(paths, cfg.exclude):
-        if f.suffix.lower() in JSONL_SUFFIXES:
-            with f.open(encoding="utf-8") as fh:
+    for f in expand_files(paths, cfg.exclude):
+        if _inner_suffix(f) in JSONL_SUFFIXES:
+            with _open_text(f) as fh:
                 for lineno, line in enumerate(fh, 1):
                     if not line.strip():
                         continue
@@ -61,7 +93,7 @@ def _all_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
                                           "(set data.text_field)")
                     yield str(row[cfg.text_field])
         else:
-            yield f.read_text(encoding="utf-8", errors="replace")
+            yield read_text(f)
     if cfg.dataset:
         yield from _dataset_documents(cfg)
 
@@ -144,7 +176,7 @@ class PackedData:
 
 def build_packed_data(recipe, tokenizer, seq_length: int) -> PackedData:
     cfg = recipe.data
-    paths = [recipe.resolve_path(f) for f in cfg.files]
+    paths = recipe.data_paths(cfg.files, "data.files")
     stream = tokenize_documents(tokenizer, iter_documents(paths, cfg), cfg.add_eos)
     n = stream.numel() // seq_length
     if n < 1:
@@ -166,15 +198,15 @@ def read_eval_tokens(recipe, tokenizer) -> tuple[torch.Tensor, str]:
     data = [data] if isinstance(data, str) else list(data)
     texts, labels = [], []
     for item in data:
-        if item == "reference":
+        if item in ("reference", "reference:emma"):
             from ..reference import reference_text
 
             texts.append(reference_text())
             labels.append("reference (held-out emma)")
         else:
-            paths = _expand([recipe.resolve_path(item)], [])
+            paths = expand_files(recipe.data_paths([item], "eval.data"), [])
             for p in paths:
-                texts.append(p.read_text(encoding="utf-8", errors="replace"))
+                texts.append(read_text(p))
             labels.append(item)
     ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long), ", ".join(labels)

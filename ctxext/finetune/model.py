@@ -140,23 +140,26 @@ def check_lora(recipe: Recipe, model: nn.Module) -> None:
     targets = lo.target_modules
     if isinstance(targets, str) and targets != "all-linear":
         targets = [targets]
+    problems = []
     if isinstance(targets, list):
-        for t in targets:
-            if not any(n == t or n.endswith("." + t) or fnmatch.fnmatch(n, t) for n in names):
-                raise RecipeError(f"lora.target_modules: no module named {t!r} in {type(model).__name__}; "
-                                  f"its linear layers are: {', '.join(linear)}")
+        missing = [t for t in targets if not any(n == t or n.endswith("." + t) or fnmatch.fnmatch(n, t) for n in names)]
+        if missing:
+            problems.append(f"lora.target_modules: no module named {', '.join(map(repr, missing))} in "
+                            f"{type(model).__name__}; its linear layers are: {', '.join(linear)}")
     elif targets is None:
         from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
 
         if getattr(model.config, "model_type", None) not in defaults:
-            raise RecipeError(f"lora.target_modules: peft has no default for model type "
-                              f"{getattr(model.config, 'model_type', '?')!r}; name them "
-                              f"(its linear layers are: {', '.join(linear)}) or use all-linear")
-    for t in lo.trainable:
-        if not any(n == t or n.endswith("." + t) or n.endswith(t) for n in names):
-            leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
-            raise RecipeError(f"lora.trainable: no module named {t!r} in {type(model).__name__}; "
-                              f"module names include: {', '.join(leaves[:40])}")
+            problems.append(f"lora.target_modules: peft has no default for model type "
+                            f"{getattr(model.config, 'model_type', '?')!r}; name them "
+                            f"(its linear layers are: {', '.join(linear)}) or use all-linear")
+    missing = [t for t in lo.trainable if not any(n == t or n.endswith("." + t) or n.endswith(t) for n in names)]
+    if missing:
+        leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+        problems.append(f"lora.trainable: no module named {', '.join(map(repr, missing))} in "
+                        f"{type(model).__name__}; module names include: {', '.join(leaves[:40])}")
+    if problems:
+        raise RecipeError("; ".join(problems), problems)
 
 
 def _is_linear(m: nn.Module) -> bool:

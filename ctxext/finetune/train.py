@@ -73,11 +73,37 @@ def check(recipe: Recipe) -> dict[str, Any]:
     model = skeleton(recipe.model)
     if model is None:
         return {"checked_architecture": False}
-    spec = check_patch(recipe, model)
-    check_lora(recipe, model)
+    problems: list[str] = []
+    spec = None
+    try:
+        spec = check_patch(recipe, model)
+    except RecipeError as exc:
+        problems.extend(exc.problems)
+    try:
+        check_lora(recipe, model)
+    except RecipeError as exc:
+        problems.extend(exc.problems)
+    if problems:
+        prefix = f"recipe {recipe.source}: " if recipe.source else ""
+        count = f"{len(problems)} problems: " if len(problems) > 1 else ""
+        raise RecipeError(prefix + count + "; ".join(problems), problems)
     if recipe.patch.method is not None and spec is None:
         return {"checked_architecture": False}
     return {"checked_architecture": True, "patch": spec, "seq_length": _seq_length(recipe, spec, model)}
+
+
+def _check_model_source(recipe: Recipe) -> None:
+    """A model (and tokenizer) that cannot be loaded from here fails now, not after download retries."""
+    from ..sources import check_source
+
+    m = recipe.model
+    for key, name, gguf in (("model.name", m.name, m.gguf_file), ("model.tokenizer", m.tokenizer, None)):
+        if not name or name.startswith("reference:"):
+            continue
+        try:
+            check_source(name, gguf_file=gguf, revision=m.revision, what=key)
+        except (ValueError, OSError) as exc:
+            raise RecipeError(str(exc)) from None
 
 
 def _seq_length(recipe: Recipe, spec: dict | None, model) -> int:
@@ -150,6 +176,7 @@ def run(
     t = recipe.train
     out = Path(recipe.output.dir)
     # -- checks that need no weights, on every process, before anything heavy
+    _check_model_source(recipe)
     checked = check(recipe)
     # accelerate starts a multi-process (gloo) CPU run only when told cpu=True
     acc = Accelerator(cpu=t.cpu or not _has_accelerator(), mixed_precision=t.mixed_precision)
@@ -177,14 +204,6 @@ def run(
         )
     if resume and latest is not None:
         ckpt.check_compatible(latest, recipe)
-    acc.wait_for_everyone()
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        if recipe.output.overwrite and not resume:
-            ckpt.remove_all(out)
-            for name in ("log.jsonl", "results.json"):
-                (out / name).unlink(missing_ok=True)
-    acc.wait_for_everyone()
     log = RunLog(out / "log.jsonl", main)
 
     # -- model, patch, data
@@ -213,6 +232,16 @@ def run(
     seq_length = _seq_length(recipe, spec, model)
     eval_lengths = eval_lengths or [seq_length]
     data = build_packed_data(recipe, tokenizer, seq_length)
+    # -- only now, with the model loaded and the data read, is the output folder made (or an old run cleared):
+    # a recipe that fails before this point leaves output.dir exactly as it was
+    acc.wait_for_everyone()
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        if recipe.output.overwrite and not resume:
+            ckpt.remove_all(out)
+            for name in ("log.jsonl", "results.json", "recipe.yaml", PATCH_FILE):
+                (out / name).unlink(missing_ok=True)
+    acc.wait_for_everyone()
     tokens_per_step = t.batch_size * seq_length
     say(
         f"patch: {spec['method'] + ' x' + format(spec['factor'] or 1, 'g') if spec else 'none'}; "
@@ -227,7 +256,7 @@ def run(
         log.write(event="start", recipe=recipe.to_dict(), world_size=world, accumulation=accum,
                   seq_length=seq_length, sequences=len(data), patch=spec, device=str(acc.device))
         if main:
-            (out / "recipe.yaml").write_text(recipe.to_yaml())
+            (out / "recipe.yaml").write_text(recipe.to_yaml(absolute_paths=True))
         if recipe.eval.enabled and recipe.eval.before:
             say(f"perplexity before training on {eval_label} at {', '.join(map(str, eval_lengths))} tokens")
             state["before"] = _evaluate(recipe, model, eval_tokens, eval_lengths, acc.state, progress)
