@@ -134,6 +134,17 @@ class CtxextLM(HFLM):
                 patch(model, checked["method"], checked["factor"], **options)
         self.ctxext_spec = describe(model)
 
+    def _get_config(self, pretrained, *, revision="main", trust_remote_code=False, gguf_file=None, subfolder="", **kw):
+        """lm-eval reads the config with AutoConfig, which refuses a checkpoint saved patched (on purpose: see
+        ctxext.spec); ctxext's loader reads it as it was before the patch."""
+        if not isinstance(pretrained, str):
+            return super()._get_config(pretrained, revision=revision, trust_remote_code=trust_remote_code,
+                                       gguf_file=gguf_file, subfolder=subfolder, **kw)
+        from .loading import load_config
+
+        self._config = load_config(pretrained, revision=revision, trust_remote_code=trust_remote_code,
+                                   gguf_file=gguf_file, subfolder=subfolder)
+
     def _create_model(self, pretrained, *args, **kwargs):
         if not isinstance(pretrained, str) or self.AUTO_MODEL_CLASS is not transformers.AutoModelForCausalLM:
             return super()._create_model(pretrained, *args, **kwargs)

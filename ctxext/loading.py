@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from torch import nn
 
 from .api import patch, take_saved_spec
 from .errors import PatchError
-from .spec import CONFIG_KEY, PatchSpec
+from .sources import check_source
+from .spec import CONFIG_KEY, PatchSpec, unmark_config_dict
 
 
 def make_saveable(model: nn.Module) -> None:
@@ -22,41 +24,119 @@ def make_saveable(model: nn.Module) -> None:
 
 
 _HUB_KWARGS = ("cache_dir", "force_download", "proxies", "token", "local_files_only", "revision", "subfolder")
+#: from_pretrained kwargs that AutoModelForCausalLM hands to the model itself, not to the config.
+_MODEL_ONLY_KWARGS = ("dtype", "torch_dtype", "quantization_config", "trust_remote_code", "code_revision",
+                      "adapter_kwargs")
 
 
-def _original_length_kwargs(pretrained: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Build a saved patched model at its original length: config.json advertises the patched length, but GPT-2
-    sizes its position table from it while the checkpoint holds the original table (the patch is applied again
-    after loading)."""
-    if kwargs.get("gguf_file") or "config" in kwargs:
-        return {}
+def _check_source(pretrained: Any, kwargs: dict[str, Any]) -> None:
+    """A missing folder, a missing GGUF file or a hub id offline fails at once (not after download retries)."""
+    if "config" in kwargs or not isinstance(pretrained, (str, os.PathLike)):
+        return
+    subfolder = kwargs.get("subfolder")
+    if subfolder:
+        if not os.path.isdir(os.path.expanduser(os.fspath(pretrained))):
+            return  # a hub id with a subfolder: transformers resolves it
+        pretrained = os.path.join(os.fspath(pretrained), subfolder)
+    revision = kwargs.get("revision")
+    check_source(pretrained, gguf_file=kwargs.get("gguf_file") or None,
+                 revision=None if revision is None else str(revision))
+
+
+def _saved_config_dict(pretrained: Any, kwargs: dict[str, Any]) -> dict[str, Any] | None:
+    """The raw config.json of a checkpoint saved from a ctxext-patched model (marked or not), else None."""
+    if kwargs.get("gguf_file") or "config" in kwargs or not isinstance(pretrained, (str, os.PathLike)):
+        return None
     from transformers import PretrainedConfig
-
-    from .adapters import ADAPTERS
 
     try:
         hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
         config_dict, _ = PretrainedConfig.get_config_dict(pretrained, **hub)
     except Exception:  # noqa: BLE001 - from_pretrained reports the real problem
-        return {}
-    saved = config_dict.get(CONFIG_KEY)
-    if not isinstance(saved, dict):
-        return {}
-    spec = PatchSpec.from_dict(saved)
+        return None
+    return config_dict if isinstance(config_dict.get(CONFIG_KEY), dict) else None
+
+
+def _config_from_saved(pretrained: Any, config_dict: dict[str, Any], kwargs: dict[str, Any]):
+    """The config of a checkpoint saved patched, as the model had it *before* the patch (save mark undone, the
+    advertised length back to the original: GPT-2 sizes its position table from it, and the checkpoint holds the
+    original table), with the spec still recorded under ``config.ctxext``. Returns ``(config, unused_kwargs)``,
+    as ``AutoConfig.from_pretrained(..., return_unused_kwargs=True)`` does."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from .adapters import ADAPTERS
+
+    data = unmark_config_dict(dict(config_dict))
+    spec = PatchSpec.from_dict(data[CONFIG_KEY])
     adapter = next((a for a in ADAPTERS if a.family == spec.family), None)
-    if adapter is None or not adapter.length_attr or spec.original_length is None or adapter.length_attr in kwargs:
-        return {}
-    return {adapter.length_attr: spec.original_length}
+    if adapter is not None and adapter.length_attr and spec.original_length is not None:
+        data[adapter.length_attr] = spec.original_length
+    model_type = data.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise OSError(
+            f"cannot load model {str(pretrained)!r}: it was saved patched by ctxext from a model of type "
+            f"{model_type!r}, which this transformers does not know"
+        )
+    config_kwargs = {k: v for k, v in kwargs.items() if k not in _HUB_KWARGS and k not in _MODEL_ONLY_KWARGS}
+    return CONFIG_MAPPING[model_type].from_dict(
+        data, return_unused_kwargs=True, name_or_path=str(pretrained), **config_kwargs
+    )
+
+
+def load_config(pretrained: str, **kwargs: Any):
+    """``AutoConfig.from_pretrained`` that also reads checkpoints saved from a ctxext-patched model (whose
+    ``config.json`` plain transformers refuses): their config comes back as it was before the patch, with the
+    spec in ``config.ctxext`` (``take_saved_spec`` / ``from_pretrained`` use it)."""
+    from transformers import AutoConfig
+
+    _check_source(pretrained, kwargs)
+    saved = _saved_config_dict(pretrained, kwargs)
+    if saved is None:
+        return AutoConfig.from_pretrained(pretrained, **kwargs)
+    config, _ = _config_from_saved(pretrained, saved, kwargs)
+    return config
+
+
+def model_skeleton(pretrained: str, *, attn_implementation: str | None = None, **kwargs: Any) -> nn.Module:
+    """The model without weights: parameters on the meta device, buffers real
+    (``accelerate.init_empty_weights(include_buffers=False)``), so it costs no memory for the weights yet has the
+    rotary ``inv_freq`` buffers, the position tables' shapes and the config that the adapters inspect. A saved ctxext
+    patch is taken off (as loading does before it re-applies it). For checks before anything loads: whether a patch
+    fits, the original length. Raises OSError where the config cannot be read."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    _check_source(pretrained, kwargs)  # its message as it is
+    try:
+        config = load_config(pretrained, **kwargs)
+    except (OSError, ValueError, KeyError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise OSError(f"cannot read the config of {pretrained!r}: {first}") from exc
+    if attn_implementation:
+        config._attn_implementation = attn_implementation
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=bool(kwargs.get("trust_remote_code")))
+    take_saved_spec(model)
+    return model
 
 
 def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: Any) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` (same kwargs, ``gguf_file`` included) that re-applies a saved
-    ctxext patch, and optionally loads a LoRA adapter directory saved by a ctxext fine-tune recipe."""
+    ctxext patch, and optionally loads a LoRA adapter directory saved by a ctxext fine-tune recipe.
+
+    The source is checked first (``ctxext.sources.check_source``): a missing folder or GGUF file, or a hub id with
+    no network, fails at once with a message saying what to pass instead."""
     from transformers import AutoModelForCausalLM
 
+    _check_source(pretrained, kwargs)
     try:
-        length = _original_length_kwargs(pretrained, kwargs)
-        model = AutoModelForCausalLM.from_pretrained(pretrained, **length, **kwargs)
+        saved = _saved_config_dict(pretrained, kwargs)
+        if saved is not None:
+            config, unused = _config_from_saved(pretrained, saved, kwargs)
+            load_kwargs = {k: v for k, v in kwargs.items() if k in _HUB_KWARGS or k in _MODEL_ONLY_KWARGS}
+            model = AutoModelForCausalLM.from_pretrained(pretrained, config=config, **load_kwargs, **unused)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(pretrained, **kwargs)
     except OSError as exc:
         raise OSError(
             f"cannot load model {pretrained!r}: {str(exc).splitlines()[0]} "

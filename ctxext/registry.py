@@ -7,6 +7,7 @@ derives the table that ``ctxext methods`` prints and the README shows.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,27 +97,65 @@ def method_names() -> str:
     return ", ".join(names)
 
 
+#: The largest factor accepted: 1024 x a 128k model is 128M positions, far past anything these methods reach.
+MAX_FACTOR = 1024
+
+
+def _as_number(value: Any) -> float | None:
+    """``value`` as a float if it is a real number (int, float, a numpy or 0-d torch scalar), else None.
+    Booleans and strings are not numbers here."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, numbers.Real) and not _is_bool_like(value):
+        return float(value)
+    if type(value).__module__.startswith("torch") and getattr(value, "ndim", None) == 0:
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None and (getattr(dtype, "is_complex", False) or str(dtype) == "torch.bool"):
+            return None
+        try:
+            return float(value.item())
+        except (TypeError, ValueError, RuntimeError):
+            return None
+    return None
+
+
+def _is_bool_like(value: Any) -> bool:
+    """numpy.bool_ and friends (not numbers.Real in current numpy, but guard anyway)."""
+    return "bool" in type(value).__name__.lower()
+
+
 def validate_factor(method: Method, factor: Any) -> float | None:
+    """The factor as a float in [1, MAX_FACTOR], or None where the method takes none and none is given.
+
+    Numbers only: int, float, numpy scalars, 0-d torch tensors. A string (even ``"4"``) or a bool raises
+    ``PatchError``; the CLI converts its strings to numbers before calling this.
+    """
     if not method.needs_factor:
         if factor is None:
             return None
     elif factor is None:
         raise PatchError(f"method {method.name!r} needs a factor (a number >= 1, e.g. factor=4)")
-    if isinstance(factor, bool):
-        raise PatchError(f"factor must be a number >= 1, got {factor!r}")
-    if not isinstance(factor, (int, float)):
-        try:
-            factor = float(factor)  # numpy / torch scalars, numeric strings from the CLI
-        except (TypeError, ValueError):
-            raise PatchError(f"factor must be a number >= 1, got {factor!r}") from None
-    factor = float(factor)
-    if not math.isfinite(factor):
-        raise PatchError(f"factor must be a finite number >= 1, got {factor}")
-    if factor < 1:
+    number = _as_number(factor)
+    if number is None:
+        if isinstance(factor, str):
+            try:
+                hint = f"factor={float(factor.strip()):g}"
+            except ValueError:
+                hint = "e.g. factor=4"
+            raise PatchError(f"factor must be a number, not the string {factor!r}: pass {hint}")
+        raise PatchError(f"factor must be a number >= 1 (int or float), got {factor!r} ({type(factor).__name__})")
+    if not math.isfinite(number):
+        raise PatchError(f"factor must be a finite number >= 1, got {number}")
+    if number < 1:
         raise PatchError(
-            f"factor must be >= 1 for method {method.name!r} (it multiplies the context length), got {factor:g}"
+            f"factor must be >= 1 for method {method.name!r} (it multiplies the context length), got {number:g}"
         )
-    return factor
+    if number > MAX_FACTOR:
+        raise PatchError(
+            f"factor {number:g} is above the maximum {MAX_FACTOR} for method {method.name!r} "
+            f"(it multiplies the context length); pass a factor between 1 and {MAX_FACTOR}"
+        )
+    return number
 
 
 def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
@@ -144,6 +183,8 @@ def _coerce(method: str, key: str, value: Any, kind: type) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise PatchError(f"option {key!r} of method {method!r} must be true or false, got {value!r}")
+    if isinstance(value, bool) or _is_bool_like(value):
+        raise PatchError(f"option {key!r} of method {method!r} must be a number, got {value!r}")
     try:
         number = kind(value)
     except (TypeError, ValueError):

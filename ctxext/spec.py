@@ -1,12 +1,31 @@
-"""The patch spec: what `patch()` did, recorded on the model config so it can be saved and reloaded."""
+"""The patch spec: what `patch()` did, recorded on the model config so it can be saved and reloaded.
+
+A config that records a spec is written to JSON *marked* (principle 9: a patched checkpoint never loads silently
+different). ``config.json`` of a patched model carries ``model_type: "<type> patched by ctxext: load it with
+ctxext.from_pretrained(path)"``, which transformers' ``AutoConfig`` / ``AutoModel*`` / pipelines (and serving engines
+that read ``config.json``) refuse, naming ``ctxext.from_pretrained`` in their error; a rotary config also gets that
+text as its ``rope_type``, so a class-specific load (``LlamaForCausalLM.from_pretrained``) fails too. The replaced
+values are kept in the spec block (``replaced_on_save``); ``ctxext.from_pretrained`` / ``ctxext.loading.load_config``
+put them back and re-apply the patch. The mark exists only in the JSON: the live config, ``config.to_dict()`` and the
+patched model's behaviour are unchanged. It is applied in ``PreTrainedConfig.to_json_string``, which
+``save_pretrained``, ``push_to_hub`` and ``config.save_pretrained`` all write through, so it holds whatever the user
+calls.
+"""
 
 from __future__ import annotations
 
+import copy
+import functools
+import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 #: Key under which the active patch spec is stored in ``model.config``.
 CONFIG_KEY = "ctxext"
+#: Key in the saved spec block holding the config values the save mark replaced.
+REPLACED_KEY = "replaced_on_save"
+#: What a user who loads a saved patched model with plain transformers is told.
+LOAD_HINT = "load it with ctxext.from_pretrained(path)"
 
 
 @dataclass(frozen=True)
@@ -27,3 +46,108 @@ class PatchSpec:
     def from_dict(cls, data: dict[str, Any]) -> "PatchSpec":
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         return cls(**known)
+
+
+# -- the save mark --------------------------------------------------------------------------------------------------
+
+
+def _is_mark(value: Any) -> bool:
+    return isinstance(value, str) and LOAD_HINT in value
+
+
+def _marked_rope(rope: dict[str, Any]) -> dict[str, Any] | None:
+    """``rope_parameters`` with every ``rope_type`` replaced by the hint (one dict, or one per layer type)."""
+    if "rope_type" in rope:
+        return {**rope, "rope_type": f"ctxext: {LOAD_HINT}"}
+    if rope and all(isinstance(v, dict) and "rope_type" in v for v in rope.values()):
+        return {k: {**v, "rope_type": f"ctxext: {LOAD_HINT}"} for k, v in rope.items()}
+    return None
+
+
+def is_marked(config_dict: dict[str, Any]) -> bool:
+    block = config_dict.get(CONFIG_KEY)
+    return isinstance(block, dict) and REPLACED_KEY in block
+
+
+def mark_config_dict(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """The serialized config of a patched model, marked so that plain transformers refuses to load it.
+    A dict without a spec block is returned unchanged."""
+    block = config_dict.get(CONFIG_KEY)
+    if not isinstance(block, dict):
+        return config_dict
+    data = dict(config_dict)
+    block = dict(block)
+    before = block.pop(REPLACED_KEY, None) or {}  # a config loaded marked (class-specific load) and saved again
+    replaced: dict[str, Any] = {}
+    model_type = data.get("model_type")
+    if _is_mark(model_type):
+        model_type = before.get("model_type")
+    if model_type:
+        replaced["model_type"] = model_type
+        data["model_type"] = f"{model_type} patched by ctxext: {LOAD_HINT}"
+    rope = data.get("rope_parameters")
+    if isinstance(rope, dict):
+        if _is_mark(json.dumps(rope)) and "rope_parameters" in before:
+            rope = before["rope_parameters"]
+        marked = _marked_rope(rope)
+        if marked is not None:
+            replaced["rope_parameters"] = copy.deepcopy(rope)
+            data["rope_parameters"] = marked
+    block[REPLACED_KEY] = replaced
+    data[CONFIG_KEY] = block
+    return data
+
+
+def unmark_config_dict(config_dict: dict[str, Any]) -> dict[str, Any]:
+    """Undo :func:`mark_config_dict`: the config as the patched model had it (the spec block stays)."""
+    if not is_marked(config_dict):
+        return config_dict
+    data = dict(config_dict)
+    block = dict(data[CONFIG_KEY])
+    data.update(copy.deepcopy(block.pop(REPLACED_KEY) or {}))
+    data[CONFIG_KEY] = block
+    return data
+
+
+def unmark_live_config(config: Any) -> None:
+    """A config built from a marked ``config.json`` without ctxext (e.g. ``GPT2LMHeadModel.from_pretrained``): put
+    back the values the mark replaced."""
+    block = vars(config).get(CONFIG_KEY)
+    if not isinstance(block, dict) or REPLACED_KEY not in block:
+        return
+    block = dict(block)
+    for key, value in (block.pop(REPLACED_KEY) or {}).items():
+        if key == "model_type":
+            if _is_mark(vars(config).get("model_type")):
+                delattr(config, "model_type")  # the class attribute is the real one
+        else:
+            setattr(config, key, copy.deepcopy(value))
+    setattr(config, CONFIG_KEY, block)
+
+
+def transformers_config_class():
+    import transformers
+
+    return getattr(transformers, "PreTrainedConfig", None) or getattr(transformers, "PretrainedConfig", None)
+
+
+def install_save_mark() -> bool:
+    """Wrap ``PreTrainedConfig.to_json_string`` once so that a config recording a ctxext spec is written marked.
+    Returns False where transformers has no such method (``patch`` then refuses: it could not keep its promise)."""
+    base = transformers_config_class()
+    original = getattr(base, "to_json_string", None) if base is not None else None
+    if not callable(original):
+        return False
+    if getattr(original, "_ctxext_mark", False):
+        return True
+
+    @functools.wraps(original)
+    def to_json_string(self, *args, **kwargs):
+        text = original(self, *args, **kwargs)
+        if not isinstance(vars(self).get(CONFIG_KEY), dict):
+            return text
+        return json.dumps(mark_config_dict(json.loads(text)), indent=2, sort_keys=True) + "\n"
+
+    to_json_string._ctxext_mark = True
+    base.to_json_string = to_json_string
+    return True

@@ -225,3 +225,25 @@ def test_output_never_overwrites_the_data(llama_dir, tmp_path, capsys):
     assert run("--model", llama_dir, "--data", data, "--lengths", "32", "--output", tmp_path / "docs.json") == 2
     assert "would overwrite the data" in capsys.readouterr().err
     assert json.loads(data.read_text())["text"]
+
+
+def test_folder_saved_patched_is_evaluated_with_its_patch(llama_dir, tmp_path):
+    """A checkpoint saved from a patched model (whose config.json plain transformers refuses) passes the checks
+    before loading and is evaluated with its patch by default."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    import ctxext
+
+    saved = tmp_path / "patched"
+    ctxext.patch(AutoModelForCausalLM.from_pretrained(llama_dir), "yarn", 2).save_pretrained(saved)
+    for f in llama_dir.iterdir():
+        if f.is_file() and not (saved / f.name).exists():
+            shutil.copy(f, saved / f.name)  # the tokenizer
+    out = tmp_path / "r.json"
+    assert run("--model", saved, "--data", CORPUS, "--lengths", "64,128", "--max-windows", "1", "--output", out) == 0
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["method"], r["factor"], r["length"]) for r in rows] == [("yarn", 2.0, 64), ("yarn", 2.0, 128)]
+    assert run("--model", saved, "--data", CORPUS, "--lengths", "64", "--methods", "none,ntk", "--factor", "2",
+               "--max-windows", "1", "--output", tmp_path / "r2.json") == 0

@@ -135,9 +135,13 @@ def test_unpatch_unpatched_model_raises(llama):
 
 
 class _NoPositions(torch.nn.Module):
+    """A transformers-style model (a real PretrainedConfig) with no positional surface."""
+
     def __init__(self):
         super().__init__()
-        self.config = type("Config", (), {"max_position_embeddings": 64})()
+        from transformers import PretrainedConfig
+
+        self.config = PretrainedConfig(max_position_embeddings=64)
         self.linear = torch.nn.Linear(4, 4)
 
 

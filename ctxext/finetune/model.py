@@ -77,32 +77,16 @@ def load_model(cfg: ModelConfig) -> nn.Module:
 
 
 def skeleton(cfg: ModelConfig) -> nn.Module | None:
-    """The architecture without weights (parameters on the meta device, buffers real), for checks before the weights load; None if the
-    config cannot be read this way (the checks then run on the loaded model)."""
-    from accelerate import init_empty_weights
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """The architecture without weights (:func:`ctxext.loading.model_skeleton`), for checks before the weights
+    load; None if the config cannot be read this way (the checks then run on the loaded model)."""
+    from ..loading import model_skeleton
 
     try:
-        config = AutoConfig.from_pretrained(model_source(cfg), **_load_kwargs(cfg))
-        if cfg.attn_implementation:
-            config._attn_implementation = cfg.attn_implementation
-        with init_empty_weights(include_buffers=False):  # weights on meta; buffers (inv_freq) real
-            model = AutoModelForCausalLM.from_config(config, trust_remote_code=cfg.trust_remote_code)
+        return model_skeleton(model_source(cfg), attn_implementation=cfg.attn_implementation, **_load_kwargs(cfg))
     except RecipeError:
         raise
     except Exception:  # noqa: BLE001 - any failure here only postpones the checks
         return None
-    _drop_saved_spec(model)
-    return model
-
-
-def _drop_saved_spec(model: nn.Module) -> None:
-    """A checkpoint saved patched: check the recipe's patch against the unpatched architecture."""
-    from .. import api, loading
-
-    take = getattr(api, "take_saved_spec", None) or getattr(loading, "pop_saved_spec", None)
-    if take is not None:
-        take(model)
 
 
 def check_patch(recipe: Recipe, model: nn.Module) -> dict[str, Any] | None:
