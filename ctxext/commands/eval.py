@@ -234,16 +234,11 @@ def _prepare(args, demo: bool):
 
 
 def _check_plot(plot: str, *, data: str | None) -> None:
-    path = Path(plot)
-    if path.is_dir() or plot.endswith(("/", os.sep)):
-        raise ValueError(f"--plot {plot} is a directory; give a file name, e.g. {path / 'ppl.png'}")
+    from ..evaluation.results import check_file_target
+
+    path = check_file_target(plot, "--plot", "ppl.png")
     if data and path.resolve() == Path(data).resolve():
         raise ValueError(f"--plot {plot} would overwrite the data {data}; choose another --plot")
-    parent = path.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"--plot {plot}: {parent} is a file, not a folder")
     try:
         import matplotlib  # noqa: F401
     except ImportError:

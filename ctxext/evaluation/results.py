@@ -64,24 +64,31 @@ def finished_rows(output: str | os.PathLike) -> int:
     return count
 
 
+def check_file_target(path: str | os.PathLike, flag: str, example: str) -> Path:
+    """Raise ValueError unless ``path`` names a file that can be created or replaced (not a directory, not under a
+    file, in a writable folder). Touches nothing."""
+    target = Path(path)
+    if str(path).endswith(("/", os.sep)) or target.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; give a file name, e.g. {target / example}")
+    parent = target.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: cannot write in {parent}")
+    return target
+
+
 def check_output(output: str | os.PathLike, *, resume: bool, overwrite: bool, flag: str = "--output") -> None:
     """Raise ValueError if ``output`` cannot take this run's results, or holds a finished run that neither
     ``resume`` nor ``overwrite`` allows replacing. Touches nothing."""
     if resume and overwrite:
         raise ValueError("--resume keeps the finished rows and --overwrite discards them: give one of them")
-    out = Path(output)
-    if str(output).endswith(("/", os.sep)) or out.is_dir():
-        raise ValueError(f"{flag} {output} is a directory; give a file name, e.g. {out / 'eval.json'}")
+    out = check_file_target(output, flag, "eval.json")
     jsonl = jsonl_path(out)
     if jsonl.is_dir():
         raise ValueError(f"{flag} {output}: its rows file {jsonl} is a directory; choose another {flag}")
-    parent = out.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir():
-        raise ValueError(f"{flag} {output}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK):
-        raise ValueError(f"{flag} {output}: cannot write in {parent}")
     if not (resume or overwrite):
         rows = finished_rows(out)
         if rows:
