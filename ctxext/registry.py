@@ -8,27 +8,11 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PatchError
-
-
-@dataclass(frozen=True)
-class Option:
-    default: Any
-    kind: type  # float, int or bool
-    help: str = ""
-    optional: bool = False  # default None is allowed
-
-
-@dataclass(frozen=True)
-class Method:
-    name: str
-    summary: str
-    needs_factor: bool = True
-    aliases: tuple[str, ...] = ()
-    options: dict[str, Option] = field(default_factory=dict)
+from .methods.declaration import Method, Option
+from .methods.remap import REMAP_METHODS
 
 
 METHODS: dict[str, Method] = {
@@ -76,6 +60,7 @@ METHODS: dict[str, Method] = {
         Method("extrapolate", "advertise factor x the length, positions unchanged (GPT-2: table extended)"),
     ]
 }
+METHODS.update(REMAP_METHODS)  # attention-side position remapping, declared beside its position maps
 
 ALIASES: dict[str, str] = {alias: m.name for m in METHODS.values() for alias in m.aliases}
 
@@ -186,9 +171,13 @@ def _coerce(method: str, key: str, value: Any, kind: type) -> Any:
     if isinstance(value, bool) or _is_bool_like(value):
         raise PatchError(f"option {key!r} of method {method!r} must be a number, got {value!r}")
     try:
-        number = kind(value)
+        number = float(value) if kind is int else kind(value)  # via float: "2.0" is an int, 2.5 is not
     except (TypeError, ValueError):
         raise PatchError(f"option {key!r} of method {method!r} must be a number, got {value!r}") from None
+    if kind is int:
+        if not math.isfinite(number) or not number.is_integer():
+            raise PatchError(f"option {key!r} of method {method!r} must be a whole number, got {value!r}")
+        number = int(number)
     if isinstance(number, float) and not math.isfinite(number):
         raise PatchError(f"option {key!r} of method {method!r} must be finite, got {value!r}")
     return number

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..methods import alibi
+from ..methods.remap import REMAP_METHODS
 from ..spec import PatchSpec
 from .base import Adapter, Restore, run_all
 
@@ -138,7 +139,7 @@ class BloomAdapter(Adapter):
         "extrapolate": "yes: advertise f x length",
         "nope": "yes: ALiBi removed (slopes 0)",
     }
-    unsupported = {"alibi": "already ALiBi", **{m: "not rotary" for m in ("ntk", "dynamic-ntk", "yarn", "llama3")}}
+    unsupported = {"alibi": "already ALiBi", **{m: "not rotary" for m in ("ntk", "dynamic-ntk", "yarn", "llama3", *REMAP_METHODS)}}
 
     def detect(self, model: nn.Module) -> bool:
         return alibi_owner(model) is not None

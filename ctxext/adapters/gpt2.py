@@ -27,6 +27,7 @@ from torch import nn
 
 from ..attention import require_attention, use_attention
 from ..methods import positions
+from ..methods.remap import REMAP_METHODS
 from ..spec import PatchSpec
 from .base import Adapter, Restore, run_all
 
@@ -81,7 +82,7 @@ class GPT2Adapter(Adapter):
         "alibi": "yes: wpe bypassed + ALiBi bias",
         "nope": "yes: wpe bypassed",
     }
-    unsupported = {m: "not rotary" for m in ("ntk", "dynamic-ntk", "yarn", "llama3")}
+    unsupported = {m: "not rotary" for m in ("ntk", "dynamic-ntk", "yarn", "llama3", *REMAP_METHODS)}
 
     def detect(self, model: nn.Module) -> bool:
         return position_owner(model) is not None

@@ -17,6 +17,7 @@ from torch import nn
 from ..attention import require_attention, use_attention
 from ..errors import PatchError
 from ..methods import nope, rope
+from ..methods.remap import REMAP_METHODS
 from ..spec import PatchSpec
 from .base import Adapter, Restore, run_all
 
@@ -160,6 +161,11 @@ class RotaryAdapter(Adapter):
         "extrapolate": "yes: frequencies unchanged",
         "alibi": "yes: rotary off + ALiBi bias",
         "nope": "yes: rotary off (identity rotation)",
+        # attention-side position remapping (ctxext.adapters.remap): rotary off, q and k rotated per pair
+        "self-extend": "yes: grouped positions beyond a window",
+        "rerope": "yes: distance clipped at a window",
+        "lm-infinite": "yes: Lambda mask + distance cap",
+        "string": "yes: large distances shifted down",
     }
 
     def detect(self, model: nn.Module) -> bool:
@@ -172,8 +178,16 @@ class RotaryAdapter(Adapter):
             rope_inputs(name, module, spec.original_length)
         if spec.method == "alibi":
             require_attention(model)
+        if spec.method in REMAP_METHODS:
+            from .remap import check_remap  # imports this module
+
+            check_remap(model, spec.method, spec.factor, spec.options, spec.original_length)
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
+        if spec.method in REMAP_METHODS:
+            from .remap import apply_remap
+
+            return apply_remap(model, spec.method, spec.factor, spec.options, spec.original_length)
         undo: list[Restore] = []
         try:
             for name, module in rotary_modules(model):

@@ -1,0 +1,406 @@
+"""Attention-side position remapping as pure position maps: Self-Extend, ReRoPE, LM-Infinite, STRING.
+
+A rotary model scores a query at position i against a key at position j with ``R(i) q . R(j) k``, which only
+depends on the relative position ``i - j``. The training-free methods here change which relative position each
+query-key pair sees, piecewise: true distances near the diagonal, remapped (grouped, clipped, shifted, capped)
+distances further away. A ``PositionMap`` says that in a form attention can run without a (T x T) position tensor:
+
+- ``rotations``: K pairs of position functions ``(query_position(i), key_position(j))``. Rotation c rotates every
+  query by ``query_position(i)`` and every key by ``key_position(j)``, so one matmul scores all pairs under it.
+- ``select(i, j)``: which rotation a pair uses (an int8 index), or -1 where the method masks the pair.
+
+so that ``score(i, j) = (R(qpos_c(i)) q_i) . (R(kpos_c(j)) k_j)`` with ``c = select(i, j)``. Positions are absolute
+token positions (0 = the first real token of a row); rotary positions may be floats. ``near`` says that every pair
+with ``0 <= i - j < near`` uses rotation 0, whose positions are the true ones: attention over such pairs only is
+plain RoPE attention (the fast path). ``query_scale`` optionally multiplies each query (ReRoPE's log-length scaling).
+
+Why this form: with K small (2 for every method here) a chunk of queries costs K score matmuls and a select,
+never a per-pair rotation; and a rotation's query and key positions only depend on i and j respectively, so keys
+are rotated once per forward pass. A table of relative positions per pair would not fit in memory at 16k tokens.
+
+Each function takes the model's original (trained) length ``original_length`` and an optional ``factor`` (the
+length to advertise is ``factor x original_length``), fills the paper's defaults for that target length, checks
+the options and raises ``PatchError`` with the accepted values. ``factor`` 1 (or none) keeps every default at the
+identity within the original length, except STRING, whose purpose is to act inside it (see ``string``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..errors import PatchError
+from .declaration import Method, Option
+
+Positions = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """Rotary positions of one rotation: ``query(i)`` for queries at absolute positions i, ``key(j)`` for keys."""
+
+    query: Positions = _same
+    key: Positions = _same
+
+    @property
+    def is_identity(self) -> bool:
+        return self.query is _same and self.key is _same
+
+
+IDENTITY = Rotation()
+
+
+@dataclass(frozen=True)
+class PositionMap:
+    """Which rotation each (query, key) pair uses; see the module docstring."""
+
+    method: str
+    rotations: tuple[Rotation, ...]
+    #: (i, j) -> int8 rotation index per pair, -1 = masked by the method; i and j broadcast (e.g. (B, q, 1), (B, 1, k))
+    select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    #: every pair with 0 <= i - j < near uses rotations[0], which is the identity (math.inf: the whole map is)
+    near: float = 0
+    #: optional per-query multiplier from the query's absolute position (ReRoPE's log-length scaling)
+    query_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
+    #: the resolved options (defaults filled in), for the patch spec
+    options: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_identity(self) -> bool:
+        return self.near == math.inf and self.query_scale is None
+
+    def relative(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        """The relative rotary position each pair sees (float64, NaN where masked). For inspection and tests."""
+        i, j = torch.broadcast_tensors(i, j)
+        which = self.select(i, j)
+        out = torch.full(i.shape, math.nan, dtype=torch.float64)
+        for c, rot in enumerate(self.rotations):
+            rel = rot.query(i).double() - rot.key(j).double()
+            out = torch.where(which == c, rel, out)
+        return out
+
+
+def identity_map(method: str, options: dict[str, Any] | None = None) -> PositionMap:
+    """Every pair at its true position: the unpatched model."""
+    return PositionMap(method, (IDENTITY,), _all_near, math.inf, None, dict(options or {}))
+
+
+def _all_near(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    return torch.zeros(torch.broadcast_shapes(i.shape, j.shape), dtype=torch.int8, device=i.device)
+
+
+def _window_select(window: int, far: int = 1) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """Rotation 0 for pairs closer than ``window``, rotation ``far`` for the rest."""
+
+    def select(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        return torch.where((i - j) < window, 0, far).to(torch.int8)
+
+    return select
+
+
+# ----------------------------------------------------------------------------------------------------- options
+
+
+def target_length(original_length: int, factor: float | None) -> int:
+    """The length a patch advertises: ``round(factor x original_length)``, or the original length."""
+    return int(round(original_length * factor)) if factor is not None else int(original_length)
+
+
+def _int(method: str, key: str, value: Any, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise PatchError(f"option {key!r} of method {method!r} must be a whole number >= {minimum}, got {value!r}")
+    if int(value) < minimum:
+        raise PatchError(f"option {key!r} of method {method!r} must be >= {minimum}, got {int(value)}")
+    return int(value)
+
+
+def _larger_than_needed(method: str, key: str, value: int, needed: int, what: str) -> None:
+    if value > needed:
+        raise PatchError(
+            f"option {key}={value} of method {method!r} is larger than needed: the patch advertises {needed} "
+            f"tokens, so {what}. Pass {key} <= {needed} (or a larger factor)"
+        )
+
+
+# ------------------------------------------------------------------------------------------------- self-extend
+
+
+def suggest_self_extend(
+    original_length: int, target: int, window: int | None = None, budget: float = 2 / 3
+) -> tuple[int, int]:
+    """(group, window) for ``target`` tokens from Self-Extend's rule ``budget * L > W + (N - W) / G``.
+
+    The paper asks the largest grouped position, about ``W + (N - W) / G``, to stay below ``(1/2 .. 2/3) x L``
+    (L the trained length, N the target). The window defaults to L/4 (1024 for a 4k model, the LongLM examples'
+    neighbour window); the group is the smallest that satisfies the rule. Up to the trained length no grouping is
+    needed: group 1, the unpatched model.
+    """
+    if not 0 < budget <= 1:
+        raise PatchError(f"self-extend budget must be in (0, 1], got {budget}")
+    window = max(1, original_length // 4) if window is None else window
+    if target <= original_length:
+        return 1, window
+    limit = budget * original_length
+    if window >= limit:
+        raise PatchError(
+            f"self-extend window {window} leaves no room for grouped positions below {budget:.2g} x {original_length}"
+        )
+    group = max(1, math.floor((target - window) / (limit - window)) + 1)
+    return group, window
+
+
+def self_extend(original_length: int, factor: float | None = None, group: int | None = None,
+                window: int | None = None) -> PositionMap:
+    """Self-Extend (Jin et al. 2024, "LLM Maybe LongLM"; datamllab/LongLM).
+
+    Within the neighbour window (``i - j < window``) pairs see their true positions. Beyond it, the query at i and
+    the key at j are rotated to ``i // G + (W - W // G)`` and ``j // G``: the grouped distance, shifted so that it
+    continues from the window. ``group == 1`` is the unpatched model. Defaults: ``suggest_self_extend``.
+    (LongLM's eager code shifts by ``W - W / G``, a float; the flash path and the paper use ``W - W // G``; both
+    agree when G divides W, as in every published setting.)
+    """
+    method = "self-extend"
+    target = target_length(original_length, factor)
+    window = max(1, original_length // 4) if window is None else _int(method, "window", window)
+    _larger_than_needed(method, "window", window, target, "no pair is ever outside the neighbour window")
+    if group is None:
+        group, _ = suggest_self_extend(original_length, target, window=window)
+    group = _int(method, "group", group)
+    options = {"group": group, "window": window}
+    if group == 1:
+        return identity_map(method, options)
+    shift = window - window // group
+
+    far = Rotation(query=lambda i: torch.div(i, group, rounding_mode="floor") + shift,
+                   key=lambda j: torch.div(j, group, rounding_mode="floor"))
+    return PositionMap(method, (IDENTITY, far), _window_select(window), window, None, options)
+
+
+# ------------------------------------------------------------------------------------------------------ ReRoPE
+
+
+def rerope(original_length: int, factor: float | None = None, window: int | None = None,
+           leaky: float | None = None, log_scale: bool = True) -> PositionMap:
+    """ReRoPE / Leaky ReRoPE (Su 2023, bojone/rerope).
+
+    Distances below ``window`` are kept; beyond it ReRoPE clips them to ``window`` (query rotated to ``window``,
+    key unrotated), Leaky ReRoPE with ``leaky=k`` makes them ``window + (d - window) / k`` (query at
+    ``(i + window (k - 1)) / k``, key at ``j / k``). ``log_scale`` multiplies each query by
+    ``max(1, log(i + 1) / log(original_length))`` as the reference patches do (1 within the trained length).
+    Defaults: ``window`` = original length / 8 (512 for a 4k model, the reference setting) when the patch
+    advertises more than the original length, else the original length (the identity there).
+    """
+    method = "rerope"
+    target = target_length(original_length, factor)
+    if window is None:
+        window = max(1, original_length // 8) if target > original_length else original_length
+    window = _int(method, "window", window)
+    _larger_than_needed(method, "window", window, target, "no distance is ever clipped")
+    if leaky is not None:
+        if isinstance(leaky, bool) or not isinstance(leaky, (int, float)) or not math.isfinite(leaky) or leaky < 1:
+            raise PatchError(f"option 'leaky' of method {method!r} must be a number >= 1 (or None), got {leaky!r}")
+        leaky = float(leaky)
+    if not isinstance(log_scale, bool):
+        raise PatchError(f"option 'log_scale' of method {method!r} must be true or false, got {log_scale!r}")
+    options = {"window": window, "leaky": leaky, "log_scale": log_scale}
+    scale = None
+    if log_scale:
+        log_length = math.log(original_length)
+
+        def scale(i: torch.Tensor) -> torch.Tensor:
+            return (torch.log1p(i.double().clamp(min=0)) / log_length).clamp(min=1.0)
+
+    if leaky is None:
+        far = Rotation(query=lambda i: torch.full_like(i, window), key=_zero)
+    elif leaky == 1.0:
+        far = IDENTITY
+    else:
+        k = leaky
+        offset = window * (k - 1)
+        far = Rotation(query=lambda i: (i.double() + offset) / k, key=lambda j: j.double() / k)
+    if far is IDENTITY:
+        return PositionMap(method, (IDENTITY,), _all_near, math.inf, scale, options)
+    return PositionMap(method, (IDENTITY, far), _window_select(window), window, scale, options)
+
+
+# ------------------------------------------------------------------------------------------------- LM-Infinite
+
+
+def lm_infinite(original_length: int, factor: float | None = None, global_tokens: int = 10,
+                window: int | None = None) -> PositionMap:
+    """LM-Infinite (Han et al. 2023, Glaciohound/LM-Infinite): the Lambda-shaped mask with a distance limit.
+
+    A query attends to the keys within ``window`` (true distances) and to the first ``global_tokens`` tokens of
+    the sequence; those global keys, when outside the window, are seen at the distance limit, the original length
+    (query rotated to ``original_length``, key unrotated). Everything else is masked. Defaults: the reference's
+    ``convert_llama_model(model, L, 10)``: window = the original length, 10 global tokens.
+    """
+    method = "lm-infinite"
+    target = target_length(original_length, factor)
+    window = original_length if window is None else _int(method, "window", window)
+    global_tokens = _int(method, "global_tokens", global_tokens, minimum=0)
+    _larger_than_needed(method, "window", window, target, "no key is ever outside the window")
+    options = {"global_tokens": global_tokens, "window": window}
+    cap = int(original_length)
+    far = Rotation(query=lambda i: torch.full_like(i, cap), key=_zero)
+
+    def select(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        near = (i - j) < window
+        return torch.where(near, 0, torch.where(j < global_tokens, 1, -1)).to(torch.int8)
+
+    return PositionMap(method, (IDENTITY, far), select, window, None, options)
+
+
+# ------------------------------------------------------------------------------------------------------ STRING
+
+
+def string(original_length: int, factor: float | None = None, shift: int | None = None,
+           local: int | None = None) -> PositionMap:
+    """STRING (An et al. 2024, "Why Does the Effective Context Length of LLMs Fall Short?"; HKUNLP/STRING).
+
+    Relative positions ``d >= shift`` become ``d - shift + local``: the rarely trained large positions are
+    overwritten by well-trained ones, with a small ``local`` window so the shifted keys are not all seen as
+    neighbours. Pairs with ``d < shift`` are unchanged. (The reference's flash code runs the two branches with
+    windows that both include ``d == shift`` and merges them, counting that one key twice; this follows the
+    paper's definition, where it is shifted.) The reference also scales cos/sin by ``0.1 ln 2 + 1``; that
+    temperature is not part of the method and is left out.
+
+    Default local: the paper's 128, at most original length / 16 for small models. Default shift: the paper's ``0.33 x N`` for N = the advertised length, raised to ``N - L + local`` when N > L
+    (so shifted positions stay below the trained length L); ``shift = 0`` turns STRING off (the identity).
+    Past ``N = 2 L - local`` no shift keeps every position below L + local; that is refused.
+    """
+    method = "string"
+    target = target_length(original_length, factor)
+    local = min(128, max(1, original_length // 16)) if local is None else _int(method, "local", local, minimum=0)
+    if shift is None:
+        shift = max(int(round(0.33 * target)), target - original_length + local)
+    shift = _int(method, "shift", shift, minimum=0)
+    options = {"shift": shift, "local": local}
+    if shift == 0:
+        return identity_map(method, options)
+    if local > shift:
+        raise PatchError(
+            f"option local={local} of method {method!r} must be <= shift={shift} (shifted distances d - shift + "
+            "local would grow, not shrink); use shift=0 to turn STRING off"
+        )
+    _larger_than_needed(method, "shift", shift, target, "no distance is ever shifted")
+    largest = max(shift - 1, target - 1 - shift + local)
+    if largest >= original_length + local:
+        raise PatchError(
+            f"STRING with shift={shift}, local={local} at {target} tokens still sees relative positions up to "
+            f"{largest}, past the trained {original_length} (+ local); STRING reaches at most "
+            f"{2 * original_length - local} tokens with these settings: use a smaller factor or another method"
+        )
+    # the query at i - (shift - local) against the key at j is the query at i against the key at j + shift - local:
+    # the same relative position, and the rotation shares the identity's query positions (one query rotation)
+    far = Rotation(query=_same, key=lambda j: j + (shift - local))
+    if shift == local:
+        return identity_map(method, options)
+    return PositionMap(method, (IDENTITY, far), _window_select(shift), shift, None, options)
+
+
+#: method name -> position-map builder(original_length, factor, **options)
+MAPS: dict[str, Callable[..., PositionMap]] = {
+    "self-extend": self_extend,
+    "rerope": rerope,
+    "lm-infinite": lm_infinite,
+    "string": string,
+}
+
+
+def build_map(method: str, original_length: int, factor: float | None = None, **options: Any) -> PositionMap:
+    """The position map of ``method`` for a model trained to ``original_length``; PatchError for bad options."""
+    if method not in MAPS:
+        raise PatchError(f"unknown position-remapping method {method!r}; choose one of {', '.join(MAPS)}")
+    if not isinstance(original_length, int) or original_length < 2:
+        raise PatchError(f"{method} needs the model's trained length (>= 2), got {original_length!r}")
+    try:
+        return MAPS[method](original_length, factor, **options)
+    except TypeError as e:  # an unknown keyword
+        raise PatchError(f"bad option for method {method!r}: {e}") from None
+
+
+__all__ = [
+    "IDENTITY",
+    "MAPS",
+    "REMAP_METHODS",
+    "PositionMap",
+    "Rotation",
+    "build_map",
+    "identity_map",
+    "lm_infinite",
+    "rerope",
+    "self_extend",
+    "string",
+    "suggest_self_extend",
+    "target_length",
+]
+
+
+# -- declarations: one per method (collected by ctxext.registry.METHODS) --------------------------------------------
+
+_DERIVED = "default: derived from the factor (see ctxext.methods.remap)"
+
+#: One declaration per method: summary, options (types and defaults), no factor needed (it only sets the
+#: advertised length and the derived defaults).
+REMAP_METHODS: dict[str, Method] = {
+    m.name: m
+    for m in [
+        Method(
+            "self-extend",
+            "Self-Extend: true positions within a neighbour window, grouped (floor-divided) positions beyond it "
+            "(factor optional: the length to advertise and to pick group/window for)",
+            needs_factor=False,
+            options={
+                "group": Option(None, int, "group size G (1 = unpatched); " + _DERIVED, optional=True),
+                "window": Option(None, int, "neighbour window W; default original length / 4", optional=True),
+            },
+        ),
+        Method(
+            "rerope",
+            "ReRoPE: relative distance clipped at a window (leaky: slope 1/k beyond it), queries log-length "
+            "scaled (factor optional: the length to advertise)",
+            needs_factor=False,
+            options={
+                "window": Option(None, int, "distances >= window are clipped; default original length / 8",
+                                 optional=True),
+                "leaky": Option(None, float, "Leaky ReRoPE: beyond the window, distance w + (d - w) / leaky",
+                                optional=True),
+                "log_scale": Option(True, bool, "scale queries by max(1, log(i + 1) / log(original length))"),
+            },
+        ),
+        Method(
+            "lm-infinite",
+            "LM-Infinite: Lambda-shaped attention (window + first tokens), distance capped at the original length "
+            "(factor optional: the length to advertise)",
+            needs_factor=False,
+            options={
+                "global_tokens": Option(10, int, "first tokens every query attends to"),
+                "window": Option(None, int, "local window; default the original length", optional=True),
+            },
+        ),
+        Method(
+            "string",
+            "STRING: relative positions >= shift moved down by shift - local, overwriting rarely trained "
+            "positions (factor optional: the length to advertise and to pick the shift for)",
+            needs_factor=False,
+            options={
+                "shift": Option(None, int, "shift S (0 = off); default 0.33 x the advertised length, at least "
+                                "advertised - original + local", optional=True),
+                "local": Option(None, int, "local window W; default min(128, original length / 16)", optional=True),
+            },
+        ),
+    ]
+}

@@ -1,0 +1,312 @@
+"""Attention with remapped rotary positions (Self-Extend, ReRoPE, LM-Infinite, STRING) through transformers'
+attention interfaces.
+
+``ctxext_remap`` is an attention function registered with ``AttentionInterface`` and a mask function of the same
+name registered with ``AttentionMaskInterface`` (transformers' sdpa mask: without it, models would give the
+function no padding mask), as ``ctxext_alibi`` is in ``ctxext.attention``.
+
+The model's rotary modules are turned into identity rotations (``ctxext.adapters.remap.apply_remap``), so the
+function receives *un-rotated* queries and keys and the KV cache holds un-rotated keys. At patch time each
+attention module gets a ``RemapState`` (attribute ``_ctxext_remap``): the method's ``PositionMap`` and the
+rotary frequencies and ``attention_scaling`` the model had. The function rotates q and k itself, per rotation of
+the map (LLaMA / NeoX ``rotate_half`` convention; with partial rotary only the first ``2 * len(inv_freq)`` dims
+of each head are rotated, as GPT-NeoX does), and takes the exact softmax over the merged scores.
+
+Positions. Queries take ``position_ids`` from the attention kwargs (transformers passes them). Keys are the cache
+slots: the queries are the last ``q_len`` of the ``kv_len`` keys (a full pass, or a dynamic cache), except that
+without a mask and with several queries they are the first ones (transformers drops the mask for a full pass and
+for the prefill of an empty static cache). A key's position is its slot minus the row's offset (slot - position)
+of its latest real query, one that attends to itself; so left padding (masked keys at negative positions) and
+cached decoding see the positions of a full pass over the unpadded row, as long as positions are consecutive
+within a row (as ``generate`` and ``cumsum(mask) - 1`` make them). Without ``position_ids`` the slots are the
+positions.
+
+Memory. The function never builds a (heads x T x T) tensor for large T. When every pair of the call is within
+the map's ``near`` range (e.g. all within the window), it rotates q and k once and calls transformers' own sdpa
+function, so short inputs cost what the unpatched model costs. Otherwise the queries go in chunks of at most
+``CHUNK_BYTES`` of scores, each chunk only over the keys up to its last query; a chunk whose pairs all use one
+rotation runs sdpa with a boolean mask; a chunk that mixes rotations runs the ``STRATEGY`` below.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .methods.remap import PositionMap
+
+REMAP = "ctxext_remap"
+STATE_ATTR = "_ctxext_remap"
+
+#: Upper bound on one chunk's score tensors (all rotations together).
+CHUNK_BYTES = 32 * 2**20
+#: Without a tighter byte bound, queries go in this many chunks (of at least MIN_ROWS rows), each skipping the keys
+#: after its last query, so the work stays close to that of causal attention.
+CAUSAL_CHUNKS = 8
+MIN_ROWS = 128
+#: How a chunk that mixes rotations is computed: "scores" (one score matmul per rotation, select, softmax, @V) or
+#: "concat" (one sdpa call over [q_0, q_1, ...] along head_dim against block-diagonal key copies and a boolean mask
+#: that picks each pair's copy). Measured on CPU (benchmarks/bench_remap.py): see ``STRATEGY_NOTE``.
+STRATEGY = "concat"
+STRATEGY_NOTE = ""
+
+
+@dataclass
+class RemapState:
+    """What the remap attention needs of one attention module, stashed on it at patch time."""
+
+    map: PositionMap
+    inv_freq: torch.Tensor  # the original rotary frequencies, float32, (rotary_dim / 2,)
+    attention_scaling: float = 1.0
+    _on_device: dict = field(default_factory=dict, repr=False)
+
+    def frequencies(self, device: torch.device) -> torch.Tensor:
+        key = str(device)
+        if key not in self._on_device:
+            self._on_device[key] = self.inv_freq.detach().to(device=device, dtype=torch.float32)
+        return self._on_device[key]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """RoPE of ``x`` (batch, heads, n, head_dim) at ``positions`` (batch or 1, n), computed as transformers' rotary
+    modules and ``apply_rotary_pos_emb`` do (float32 angles, cos/sin times ``scale`` cast to x's dtype); only the
+    first ``2 * len(inv_freq)`` dims are rotated (partial rotary)."""
+    rotary = 2 * inv_freq.numel()
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = (emb.cos() * scale).to(x.dtype)[:, None]
+    sin = (emb.sin() * scale).to(x.dtype)[:, None]
+    if rotary == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    part = x[..., :rotary]
+    return torch.cat((part * cos + _rotate_half(part) * sin, x[..., rotary:]), dim=-1)
+
+
+def _positions(query, attention_mask, q_len, kv_len, kwargs):
+    """(query slot per row (q_len,), query positions (B, q_len), key positions (B, kv_len), last real row per b)."""
+    batch = query.shape[0]
+    device = query.device
+    q_start = (kv_len - 1 if q_len == 1 else 0) if attention_mask is None else kv_len - q_len
+    slots = torch.arange(q_start, q_start + q_len, device=device)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None or position_ids.dim() != 2 or position_ids.shape[-1] != q_len:
+        qpos = slots[None].expand(batch, q_len)
+    else:
+        qpos = position_ids.to(device=device, dtype=torch.long).expand(batch, q_len)
+    rows = torch.arange(q_len, device=device)
+    if attention_mask is None:
+        last = torch.full((batch,), q_len - 1, device=device)
+    else:
+        attends_self = attention_mask[:, 0, rows, slots].expand(batch, q_len)
+        last = torch.where(attends_self, rows, -1).amax(-1)
+        last = torch.where(last < 0, q_len - 1, last)
+    offset = slots[last] - qpos.gather(1, last[:, None])[:, 0]
+    kpos = torch.arange(kv_len, device=device)[None] - offset[:, None]
+    return slots, qpos, kpos, last
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def remap_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Causal self-attention under a position map; same signature and output layout as transformers' sdpa function.
+
+    query: (batch, heads, q_len, head_dim), un-rotated; key/value: (batch, kv_heads, kv_len, head_dim), un-rotated
+    keys, kv_heads dividing heads. attention_mask: None, a boolean (batch or 1, 1, q_len, kv_len) mask (True =
+    attend) or an additive float mask. Returns (batch, q_len, heads, head_dim) and no attention weights.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    state: RemapState | None = getattr(module, STATE_ATTR, None)
+    if state is None:
+        raise RuntimeError(
+            f"{REMAP}: {type(module).__name__} carries no position map; select this attention only through "
+            "ctxext.patch (ctxext.adapters.remap.apply_remap)"
+        )
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"{REMAP} does not support attention logit soft-capping")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if not causal:
+        raise ValueError(f"{REMAP} applies to causal self-attention only")
+
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"{REMAP}: {heads} query heads are not a multiple of {kv_heads} key/value heads")
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    if attention_mask is not None:
+        if attention_mask.dim() != 4:
+            raise ValueError(f"{REMAP} expects a 4D attention mask, got shape {tuple(attention_mask.shape)}")
+        attention_mask = attention_mask[..., -kv_len:]
+    pmap = state.map
+    inv_freq = state.frequencies(query.device)
+    att = state.attention_scaling
+    slots, qpos, kpos, last = _positions(query, attention_mask, q_len, kv_len, kwargs)
+    if pmap.query_scale is not None:
+        query = query * pmap.query_scale(qpos).to(query.dtype)[:, None, :, None]
+
+    # the fast path: every pair of the call within ``near`` -> plain RoPE attention, transformers' sdpa function
+    if attention_mask is None:
+        first_key = kpos[:, 0]
+    else:
+        seen = _as_bool(attention_mask[:, 0]).expand(batch, q_len, kv_len)
+        seen = seen[torch.arange(batch, device=query.device), last]  # the latest real query's row: its keys
+        first = torch.where(seen, torch.arange(kv_len, device=query.device), kv_len - 1).amin(-1)
+        first_key = kpos.gather(1, first[:, None])[:, 0]
+    farthest = int((qpos.amax(-1) - first_key).amax()) if q_len else 0
+    if farthest < pmap.near:
+        return sdpa_attention_forward(
+            module,
+            rotate(query, qpos, inv_freq, att),
+            rotate(key, kpos, inv_freq, att),
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
+
+    rotations = pmap.rotations
+    keys = [rotate(key, r.key(kpos), inv_freq, att) for r in rotations]
+    queries = [rotate(query, r.query(qpos), inv_freq, att) for r in rotations]
+    mask = None if attention_mask is None else _as_bool(attention_mask)[:, 0]  # (B or 1, q_len, kv_len)
+
+    count = len(rotations)
+    if STRATEGY == "concat":  # per row: the selector, masks and picks (bytes), no float scores
+        per_row = batch * kv_len * (8 + 2 * count)
+    else:  # per row: one float32 score tensor per rotation and the merged one
+        per_row = batch * heads * kv_len * 4 * (count + 1)
+    rows = max(1, min(max(MIN_ROWS, -(-q_len // CAUSAL_CHUNKS)), CHUNK_BYTES // max(per_row, 1)))
+    n_rep = heads // kv_heads
+    gqa_cpu = query.device.type == "cpu"
+    out = query.new_empty(batch, q_len, heads, value.shape[-1])
+    key_range = torch.arange(kv_len, device=query.device)
+    for start in range(0, q_len, rows):
+        end = min(start + rows, q_len)
+        k_end = min(kv_len, int(slots[end - 1]) + 1)
+        i = qpos[:, start:end, None]
+        j = kpos[:, None, :k_end]
+        which = pmap.select(i, j)  # (B, rows, k_end)
+        allowed = (which >= 0) & (key_range[None, None, :k_end] <= slots[start:end, None])
+        if mask is not None:
+            allowed = allowed & mask[:, start:end, :k_end]
+        empty = ~allowed.any(-1, keepdim=True)  # padded query rows: attend to anything (their output is unused)
+        if bool(empty.any()):
+            allowed = allowed | empty
+            which = torch.where(empty, 0, which).to(torch.int8)
+        used = [c for c in range(count) if bool(((which == c) & allowed).any())]
+        if not used:
+            used = [0]
+        qs = [queries[c][:, :, start:end] for c in used]
+        ks = [keys[c][:, :, :k_end] for c in used]
+        v = value[:, :, :k_end]
+        if len(used) == 1:
+            kk, vv = ks[0], v
+            extra = {}
+            if n_rep > 1:
+                if gqa_cpu:
+                    extra = {"enable_gqa": True}
+                else:
+                    kk, vv = kk.repeat_interleave(n_rep, dim=1), vv.repeat_interleave(n_rep, dim=1)
+            o = F.scaled_dot_product_attention(
+                qs[0], kk, vv, attn_mask=allowed[:, None], dropout_p=dropout, scale=scaling, **extra
+            )
+        elif STRATEGY == "concat":
+            shared = all(rotations[c].query is rotations[used[0]].query for c in used)
+            o = _concat_chunk(qs[:1] if shared else qs, ks, v, [(which == c) & allowed for c in used], dropout,
+                              scaling, n_rep, gqa_cpu)
+        else:
+            o = _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep)
+        out[:, start:end] = o.transpose(1, 2)
+    return out, None
+
+
+def _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep):
+    """One score matmul per rotation (keys grouped for GQA, not repeated), select, masked softmax in float32, @V."""
+    batch, heads, rows, dim = qs[0].shape
+    kv_heads = ks[0].shape[1]
+    scores = None
+    for q, k, c in zip(qs, ks, used):
+        s = torch.matmul(q.reshape(batch, kv_heads, n_rep * rows, dim), k.transpose(-1, -2))
+        s = s.view(batch, kv_heads, n_rep, rows, -1)
+        scores = s if scores is None else torch.where((which == c)[:, None, None], s, scores)
+    scores = scores.float().mul_(scaling)
+    scores.masked_fill_(~allowed[:, None, None], -math.inf)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    if dropout > 0:
+        probs = F.dropout(probs, p=dropout, training=True)
+    o = torch.matmul(probs.view(batch, kv_heads, n_rep * rows, -1), v)
+    return o.view(batch, heads, rows, -1)
+
+
+def _concat_chunk(qs, ks, v, picks, dropout, scaling, n_rep, gqa_cpu):
+    """One sdpa call: [q_0, q_1, ...] along head_dim against key copies [k_0, 0, ...], [0, k_1, ...], ...; a
+    boolean mask picks each pair's copy, so the score of copy c is exactly q_c . k_c. Copy c only holds the key
+    range some pair of the chunk uses it for (near keys for the near rotation, far keys for the far one), so the
+    keys seen are about k_end + the band where rotations mix, not count x k_end."""
+    count = len(qs)  # 1 when the rotations share their query positions: the key copies then differ only in keys
+    dim = qs[0].shape[-1]
+    q = torch.cat(qs, dim=-1) if count > 1 else qs[0]
+    blocks, values, masks = [], [], []
+    for c, (k, pick) in enumerate(zip(ks, picks)):
+        cols = pick.any(1).any(0).nonzero()
+        lo, hi = int(cols[0]), int(cols[-1]) + 1  # picks are never empty: the caller keeps used rotations only
+        if count == 1:
+            block = k[:, :, lo:hi]
+        else:
+            block = k.new_zeros(*k.shape[:-2], hi - lo, count * dim)
+            block[..., c * dim : (c + 1) * dim] = k[:, :, lo:hi]
+        blocks.append(block)
+        values.append(v[:, :, lo:hi])
+        masks.append(pick[..., lo:hi])
+    k = torch.cat(blocks, dim=2)
+    vv = torch.cat(values, dim=2)
+    width = vv.shape[-1]
+    if width != count * dim:  # CPU's flash kernel needs value dim == query dim (else sdpa falls back to math)
+        vv = F.pad(vv, (0, count * dim - width))
+    mask = torch.cat(masks, dim=-1)[:, None]
+    extra = {}
+    if n_rep > 1:
+        if gqa_cpu:
+            extra = {"enable_gqa": True}
+        else:
+            k, vv = k.repeat_interleave(n_rep, dim=1), vv.repeat_interleave(n_rep, dim=1)
+    out = F.scaled_dot_product_attention(q, k, vv, attn_mask=mask, dropout_p=dropout, scale=scaling, **extra)
+    return out[..., :width]
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(REMAP, remap_attention_forward)
+    AttentionMaskInterface.register(REMAP, sdpa_mask)
+
+
+_register()
+
+
+__all__ = ["CHUNK_BYTES", "REMAP", "STATE_ATTR", "RemapState", "remap_attention_forward", "rotate"]

@@ -1,0 +1,408 @@
+"""Attention-side position remapping (self-extend, rerope, lm-infinite, string): the ``ctxext_remap`` attention
+against a dense reference written from each paper's definition, identity settings, cached decoding, padded
+batches, exact restore and bad input.
+
+The dense reference runs the same model with its rotary modules turned off (so attention receives un-rotated q and
+k) and an attention function written here: for every (query i, key j) pair it takes the relative position the
+paper defines, rotates q_i by it explicitly (``R(a) q . R(b) k = R(a - b) q . k``) in float64, builds the full
+(T x T) scores, masks, softmaxes. It shares nothing with ``ctxext.methods.remap`` or ``ctxext.remap_attention``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import ctxext.remap_attention as remap_attention
+from ctxext.adapters.remap import REMAP_METHODS, apply_remap, check_remap
+from ctxext.attention import use_attention
+from ctxext.errors import PatchError
+from ctxext.methods.remap import build_map, suggest_self_extend
+
+L0 = 64  # the tiny models' max_position_embeddings
+VOCAB = 128
+
+
+def _llama(**overrides):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=L0,
+              rope_parameters={"rope_type": "default", "rope_theta": 500.0}, attn_implementation="sdpa")
+    kw.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+
+
+def _neox(**overrides):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=L0,
+              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+              attn_implementation="sdpa")
+    kw.update(overrides)
+    return GPTNeoXForCausalLM(GPTNeoXConfig(**kw)).eval()
+
+
+MODELS = {"llama": _llama, "neox": _neox}
+
+
+# ------------------------------------------------------------------------------- the papers' definitions, dense
+
+
+def paper_relative(method: str, factor, options: dict, i: torch.Tensor, j: torch.Tensor):
+    """(relative position each pair sees, float64; pair visible to the method) from each paper's definition."""
+    d = (i - j).double()
+    if method == "self-extend":
+        g, w = options["group"], options["window"]
+        grouped = (i // g + (w - w // g) - j // g).double()
+        return torch.where(d < w, d, grouped), torch.ones_like(d, dtype=torch.bool)
+    if method == "rerope":
+        w, k = options["window"], options.get("leaky")
+        far = torch.full_like(d, float(w)) if k is None else w + (d - w) / k
+        return torch.where(d < w, d, far), torch.ones_like(d, dtype=torch.bool)
+    if method == "lm-infinite":
+        w, n = options["window"], options["global_tokens"]
+        near = d < w
+        return torch.where(near, d, torch.full_like(d, float(L0))), near | (j < n)
+    if method == "string":
+        s, w = options["shift"], options["local"]
+        return torch.where(d < s, d, d - s + w), torch.ones_like(d, dtype=torch.bool)
+    raise AssertionError(method)
+
+
+class Dense:
+    """A dense attention function for one method's definition; registered as ``ctxext_test_dense``."""
+
+    name = "ctxext_test_dense"
+    method: str = ""
+    factor = None
+    options: dict = {}
+    inv_freq: torch.Tensor | None = None
+
+    @classmethod
+    def forward(cls, module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
+        b, h, t, dim = query.shape
+        assert key.shape[2] == t and attention_mask is None  # full passes without padding only
+        key = key.repeat_interleave(h // key.shape[1], dim=1).double()
+        value = value.repeat_interleave(h // value.shape[1], dim=1).double()
+        q = query.double()
+        pos = torch.arange(t)
+        i, j = pos[:, None], pos[None, :]
+        rel, visible = paper_relative(cls.method, cls.factor, cls.options, i, j)
+        if cls.method == "rerope" and cls.options.get("log_scale", True):
+            q = q * (torch.log(pos + 1.0).double() / math.log(L0)).clamp(min=1)[None, None, :, None]
+        inv = cls.inv_freq.double()
+        rd = 2 * inv.numel()
+        angle = rel[..., None] * torch.cat([inv, inv])  # (t, t, rd)
+        cos, sin = angle.cos(), angle.sin()
+        qr, qp = q[..., :rd], q[..., rd:]
+        half = rd // 2
+        q_half = torch.cat([-qr[..., half:], qr[..., :half]], dim=-1)
+        kr, kp = key[..., :rd], key[..., rd:]
+        scores = torch.einsum("bhid,ijd,bhjd->bhij", qr, cos, kr) + torch.einsum("bhid,ijd,bhjd->bhij", q_half, sin,
+                                                                                  kr)
+        scores = scores + torch.einsum("bhid,bhjd->bhij", qp, kp)
+        scores = scores * scaling
+        keep = visible & (j <= i)
+        scores = scores.masked_fill(~keep, -math.inf)
+        out = torch.softmax(scores, -1) @ value
+        return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def _register_dense():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(Dense.name, Dense.forward)
+    AttentionMaskInterface.register(Dense.name, sdpa_mask)
+
+
+_register_dense()
+
+
+def dense_logits(model, method, factor, options, ids):
+    """Logits of the paper's definition: the patched model (rotary off) with the dense attention swapped in."""
+    pmap = build_map(method, L0, factor, **options)
+    Dense.method, Dense.factor, Dense.options = method, factor, dict(pmap.options)
+    Dense.inv_freq = next(m for m in model.modules() if hasattr(m, "original_inv_freq")).original_inv_freq.clone()
+    restore = apply_remap(model, method, factor, options)
+    back = use_attention(model, Dense.name)
+    try:
+        with torch.no_grad():
+            return model(ids).logits
+    finally:
+        back()
+        restore()
+
+
+def remap_logits(model, method, factor, options, ids, **forward):
+    restore = apply_remap(model, method, factor, options)
+    try:
+        with torch.no_grad():
+            return model(ids, **forward).logits
+    finally:
+        restore()
+
+
+def _ids(length, seed=1, batch=1):
+    return torch.randint(2, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+CASES = [
+    ("self-extend", 8, {"group": 4, "window": 16}),
+    ("self-extend", 8, {"group": 3, "window": 10}),  # W not a multiple of G
+    ("rerope", 8, {"window": 16}),  # log-length query scaling on (default)
+    ("rerope", 8, {"window": 12, "leaky": 4.0, "log_scale": False}),
+    ("lm-infinite", 8, {"global_tokens": 4, "window": 32}),
+    ("string", 1.5, {"shift": 40, "local": 8}),
+]
+
+
+@pytest.mark.parametrize("arch", sorted(MODELS))
+@pytest.mark.parametrize("method,factor,options", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_matches_dense_reference(arch, method, factor, options):
+    """GQA + head_dim != hidden/heads + rope_theta 500 (llama), partial rotary + theta 10000 (neox)."""
+    model = MODELS[arch]()
+    ids = _ids(200)
+    want = dense_logits(model, method, factor, options, ids)
+    got = remap_logits(model, method, factor, options, ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        plain = model(ids).logits
+    assert not torch.allclose(got, plain, atol=1e-3)  # the patch does change the model
+
+
+@pytest.mark.parametrize("strategy", ["scores", "concat"])
+def test_small_chunks_and_both_strategies(monkeypatch, strategy):
+    """Many small query chunks (each over the keys up to its last query) and both ways to merge rotations."""
+    monkeypatch.setattr(remap_attention, "MIN_ROWS", 8)
+    monkeypatch.setattr(remap_attention, "CHUNK_BYTES", 8 * 4 * 200 * 3 * 7)  # about 7 rows
+    monkeypatch.setattr(remap_attention, "STRATEGY", strategy)
+    model = _llama()
+    ids = _ids(150, seed=3)
+    for method, factor, options in (CASES[0], CASES[4]):
+        want = dense_logits(model, method, factor, options, ids)
+        got = remap_logits(model, method, factor, options, ids)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+IDENTITY = [
+    ("self-extend", 8, {"group": 1}),
+    ("self-extend", 8, {"group": 4, "window": 512}),  # every pair within the window
+    ("rerope", 8, {"window": 512, "log_scale": False}),
+    ("rerope", 8, {"window": 16, "leaky": 1.0, "log_scale": False}),
+    ("lm-infinite", 8, {"window": 512}),
+    ("string", 8, {"shift": 0}),
+]
+
+
+@pytest.mark.parametrize("method,factor,options", IDENTITY, ids=[f"{c[0]}-{i}" for i, c in enumerate(IDENTITY)])
+def test_identity_settings_equal_the_unpatched_model(method, factor, options):
+    model = _llama()
+    for length in (5, 70, 300):
+        ids = _ids(length, seed=length)
+        with torch.no_grad():
+            want = model(ids).logits
+        torch.testing.assert_close(remap_logits(model, method, factor, options, ids), want, atol=1e-5, rtol=0)
+
+
+def test_within_the_window_is_the_unpatched_model():
+    """Shorter than every method's window: the fast path (rotate once, transformers' sdpa) is the original model."""
+    model = _llama()
+    ids = _ids(10)  # the smallest window below is 10
+    with torch.no_grad():
+        want = model(ids).logits
+    for method, factor, options in CASES:
+        got = remap_logits(model, method, factor, options, ids)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("method,factor,options", CASES[::2] + [CASES[3], CASES[5]],
+                         ids=["self-extend", "rerope", "lm-infinite", "leaky-rerope", "string"])
+def test_cached_generate_equals_full_forward(method, factor, options):
+    """Past the original length (64) and past every window: prefill 90 tokens, decode 30 more with the cache."""
+    from checks import generate_equals_full_forward
+
+    model = _llama()
+    restore = apply_remap(model, method, factor, options)
+    try:
+        with torch.no_grad():
+            generate_equals_full_forward(model, prompt_len=90, new=30)
+    finally:
+        restore()
+
+
+@pytest.mark.parametrize("method,factor,options", CASES[::2] + [CASES[5]],
+                         ids=["self-extend", "rerope", "lm-infinite", "string"])
+def test_padded_batch_equals_single_rows(method, factor, options):
+    from checks import padded_batch_equals_single_rows
+
+    model = _llama()
+    restore = apply_remap(model, method, factor, options)
+    try:
+        with torch.no_grad():
+            padded_batch_equals_single_rows(model, lengths=(150, 85))
+    finally:
+        restore()
+
+
+def test_restore_is_bit_exact():
+    model = _neox()
+    ids = _ids(100)
+    with torch.no_grad():
+        before = model(ids).logits
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    rotary = [m for m in model.modules() if hasattr(m, "original_inv_freq")]
+    freqs = [(m.inv_freq.clone(), m.attention_scaling) for m in rotary]
+    impl = model.config._attn_implementation
+    for method, factor, options in CASES:
+        restore = apply_remap(model, method, factor, options)
+        assert model.config._attn_implementation == "ctxext_remap"
+        assert all(torch.count_nonzero(m.inv_freq) == 0 for m in rotary)
+        restore()
+    assert model.config._attn_implementation == impl
+    assert all(torch.equal(m.inv_freq, f) and m.attention_scaling == s for m, (f, s) in zip(rotary, freqs))
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+    assert not any(hasattr(m, remap_attention.STATE_ATTR) for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_defaults_follow_the_factor():
+    # the smallest G with 1024 + 15360 / G < 2/3 x 4096 (= 1024 + 15360 / 9 exactly, so not 9)
+    assert suggest_self_extend(4096, 16384) == (10, 1024)
+    assert suggest_self_extend(4096, 16384, budget=1 / 2) == (16, 1024)
+    assert suggest_self_extend(4096, 4096) == (1, 1024)
+    assert build_map("self-extend", 4096, 4).options == {"group": 10, "window": 1024}
+    assert build_map("self-extend", 4096).is_identity and build_map("self-extend", 4096, 1).is_identity
+    assert build_map("rerope", 4096, 4).options == {"window": 512, "leaky": None, "log_scale": True}
+    assert build_map("rerope", 4096).near == 4096  # identity within the original length
+    assert build_map("lm-infinite", 4096, 4).options == {"global_tokens": 10, "window": 4096}
+    assert build_map("string", 4096).options == {"shift": round(0.33 * 4096), "local": 128}
+    assert build_map("string", 8192, 2).options == {"shift": 8192 + 128, "local": 128}
+    assert set(REMAP_METHODS) == {"self-extend", "rerope", "lm-infinite", "string"}
+    assert all(not m.needs_factor for m in REMAP_METHODS.values())
+
+
+def test_relative_positions_of_the_maps():
+    i, j = torch.arange(40)[:, None], torch.arange(40)[None, :]
+    for method, factor, options in CASES:
+        pmap = build_map(method, L0, factor, **options)
+        rel, visible = paper_relative(method, factor, pmap.options, i, j)
+        got = pmap.relative(i, j)
+        causal = j <= i
+        assert torch.equal(got.isnan() & causal, ~visible & causal), method
+        torch.testing.assert_close(got[visible & causal], rel[visible & causal], atol=1e-12, rtol=0)
+
+
+BAD = [
+    ("self-extend", 8, {"group": 0}, r"'group'.*>= 1"),
+    ("self-extend", 8, {"window": 0}, r"'window'.*>= 1"),
+    ("self-extend", 2, {"window": 1000}, r"larger than needed.*128 tokens"),
+    ("self-extend", 8, {"group": 2.5}, r"whole number"),
+    ("rerope", 8, {"window": 600}, r"larger than needed"),
+    ("rerope", 8, {"leaky": 0.5}, r"'leaky'.*>= 1"),
+    ("rerope", 8, {"log_scale": "yes"}, r"true or false"),
+    ("lm-infinite", 8, {"global_tokens": -1}, r"'global_tokens'.*>= 0"),
+    ("string", 1.5, {"shift": 8, "local": 16}, r"local=16.*<= shift=8"),
+    ("string", 4, {}, r"STRING reaches at most"),
+    ("string", 8, {"bogus": 1}, r"bad option"),
+]
+
+
+@pytest.mark.parametrize("method,factor,options,match", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_options_raise_before_touching_the_model(method, factor, options, match):
+    model = _llama()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PatchError, match=match):
+        apply_remap(model, method, factor, options)
+    assert model.config._attn_implementation == "sdpa"
+    assert all(torch.equal(v, state[k]) for k, v in model.state_dict().items())
+
+
+def test_models_it_cannot_serve_are_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=1, n_head=4, n_positions=32))
+    with pytest.raises(PatchError, match="no rotary module"):
+        check_remap(gpt2, "rerope", 4, {})
+    with pytest.raises(PatchError, match="rope_type 'linear'"):
+        check_remap(_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
+                    "rerope", 4, {})
+    with pytest.raises(PatchError, match="soft-caps"):
+        check_remap(_llama(attn_logit_softcapping=30.0), "self-extend", 4, {})
+    with pytest.raises(PatchError, match="sliding-window"):
+        check_remap(_llama(sliding_window=32), "self-extend", 4, {})
+    with pytest.raises(PatchError, match="unknown position-remapping method"):
+        check_remap(_llama(), "dca2", 4, {})
+
+
+# ----------------------------------------------------------------------------- through the public API and the CLI
+
+
+@pytest.mark.parametrize("method, factor, options", CASES[::2] + CASES[-1:], ids=lambda v: str(v))
+def test_public_patch_equals_the_map_and_survives_save(method, factor, options, tmp_path):
+    """ctxext.patch gives the logits of the position map; save -> ctxext.from_pretrained keeps the patch (bit for
+    bit); a plain transformers load refuses the checkpoint; unpatch restores the model exactly."""
+    import ctxext
+    from transformers import AutoModelForCausalLM
+
+    model, ids = _llama(), _ids(150)
+    with torch.no_grad():
+        before = model(ids).logits
+    expected = remap_logits(_llama(), method, factor, options, ids)
+    ctxext.patch(model, method, factor, **options)
+    spec = ctxext.describe(model)
+    assert spec["method"] == method and spec["patched_length"] == int(round(L0 * factor))
+    with torch.no_grad():
+        patched = model(ids).logits
+    torch.testing.assert_close(patched, expected, atol=1e-6, rtol=0)
+    assert not torch.allclose(patched, before, atol=1e-3)  # the patch changes the logits past L0
+    model.save_pretrained(tmp_path / "saved")
+    with pytest.raises(Exception, match="ctxext.from_pretrained"):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    again = ctxext.from_pretrained(str(tmp_path / "saved"))
+    assert ctxext.describe(again) == spec
+    with torch.no_grad():
+        assert torch.equal(again(ids).logits, patched)
+    ctxext.unpatch(model)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_remap_methods_refuse_other_families_and_bad_options_via_the_api():
+    import ctxext
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4, n_positions=L0))
+    with pytest.raises(PatchError, match="not rotary"):
+        ctxext.patch(gpt2, "self-extend", 4)
+    model = _llama()
+    with pytest.raises(PatchError, match="whole number"):
+        ctxext.patch(model, "self-extend", 4, group=2.5)
+    with pytest.raises(PatchError):
+        ctxext.patch(model, "rerope", 4, window=0)
+    assert ctxext.describe(model) is None and model.config._attn_implementation == "sdpa"
+
+
+def test_eval_cli_runs_remap_methods(tmp_path):
+    """`ctxext eval --methods self-extend,rerope,lm-infinite,string` on a tiny saved model."""
+    import json
+
+    from ctxext.cli import main
+    from test_eval_fixtures import CORPUS, save_tiny_llama
+
+    model_dir = save_tiny_llama(tmp_path / "llama")
+    out = tmp_path / "r.json"
+    rc = main(["eval", "--no-progress", "--device", "cpu", "--model", str(model_dir), "--data", str(CORPUS),
+               "--lengths", "64,128", "--methods", "none,self-extend,rerope,lm-infinite,string:1.5", "--factor", "2",
+               "--max-windows", "1", "--output", str(out)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]
+    assert {r["method"] for r in rows} == {"none", "self-extend", "rerope", "lm-infinite", "string"}
+    assert all(r["ppl"] and r["ppl"] > 1 for r in rows)
