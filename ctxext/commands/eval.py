@@ -281,16 +281,21 @@ def _check_fit(args, jobs, lengths) -> None:
             requests = parse_methods(None, factor=job.factor, options=args.option,
                                      default=[NONE] + list(available_methods(skeleton)))
         factor = job.factor
-        if factor is None and original and any(r.factor is None and METHODS[r.method].needs_factor
-                                                for r in requests if r.method != NONE):
+        if factor is None and original and any(r.factor is None and _takes_factor(METHODS[r.method])
+                                               for r in requests if r.method != NONE):
             job_lengths = lengths or default_lengths(original)
             factor = default_factor(job_lengths, original)
             parse_factor(factor, f"{job.label}: the default factor (longest length {max(job_lengths)} / the "
                          f"model's original length {original})")
-        for problem in unfit_requests(skeleton, requests, default_factor=factor):
-            unfit.setdefault(job.label, []).append(problem)
+        if args.methods:  # the default set keeps only what fits (the runner notes the rest)
+            for problem in unfit_requests(skeleton, requests, default_factor=factor):
+                unfit.setdefault(job.label, []).append(problem)
     if unfit and (len(jobs) == 1 or len(unfit) == len(jobs)):
         raise PatchError("; ".join(f"{label}: {p}" for label, problems in unfit.items() for p in problems))
+
+
+def _takes_factor(method) -> bool:
+    return method.needs_factor or method.scales_with_factor
 
 
 def _jobs(args, demo: bool, device: str, texts):

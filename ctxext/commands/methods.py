@@ -21,6 +21,7 @@ def run(args) -> int:
             m = METHODS[row["method"]]
             row["aliases"] = list(m.aliases)
             row["needs_factor"] = m.needs_factor
+            row["scales_with_factor"] = m.scales_with_factor
             row["options"] = {k: o.default for k, o in m.options.items()}
         print(json.dumps(rows, indent=2))
         return 0

@@ -80,7 +80,7 @@ def parse_methods(
         else:
             info = resolve_method(name)
             f = parse_factor(own, item) if own else None
-            if f is None and info.needs_factor:
+            if f is None and (info.needs_factor or info.scales_with_factor):
                 f = factor
             opts = {k: v for k, v in by_method.get(None, {}).items() if k in info.options}
             used_global.update(opts)

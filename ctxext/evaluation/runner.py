@@ -171,7 +171,10 @@ class Runner:
             try:
                 check_request(model, req)
             except PatchError as exc:
-                self.error(f"{job.label}: {exc}")
+                if job.methods is None:  # the default set: a method that fits the family but not these settings
+                    self.log(f"{job.label}: {req.label} skipped: {exc}")
+                else:
+                    self.error(f"{job.label}: {exc}")
                 continue
             requests.append(req)
         plan = [("ppl", L) for L in usable] if s.perplexity else []

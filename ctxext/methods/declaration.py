@@ -23,5 +23,8 @@ class Method:
     name: str
     summary: str
     needs_factor: bool = True
+    #: The factor is optional but shapes the method (its derived defaults), so the evaluator hands a method without
+    #: ``:F`` its run's ``--factor`` (or the one derived from ``--lengths``), as for methods that need one.
+    scales_with_factor: bool = False
     aliases: tuple[str, ...] = ()
     options: dict[str, Option] = field(default_factory=dict)

@@ -363,6 +363,7 @@ REMAP_METHODS: dict[str, Method] = {
             "Self-Extend: true positions within a neighbour window, grouped (floor-divided) positions beyond it "
             "(factor optional: the length to advertise and to pick group/window for)",
             needs_factor=False,
+            scales_with_factor=True,
             options={
                 "group": Option(None, int, "group size G (1 = unpatched); " + _DERIVED, optional=True),
                 "window": Option(None, int, "neighbour window W; default original length / 4", optional=True),
@@ -373,6 +374,7 @@ REMAP_METHODS: dict[str, Method] = {
             "ReRoPE: relative distance clipped at a window (leaky: slope 1/k beyond it), queries log-length "
             "scaled (factor optional: the length to advertise)",
             needs_factor=False,
+            scales_with_factor=True,
             options={
                 "window": Option(None, int, "distances >= window are clipped; default original length / 8",
                                  optional=True),
@@ -386,6 +388,7 @@ REMAP_METHODS: dict[str, Method] = {
             "LM-Infinite: Lambda-shaped attention (window + first tokens), distance capped at the original length "
             "(factor optional: the length to advertise)",
             needs_factor=False,
+            scales_with_factor=True,
             options={
                 "global_tokens": Option(10, int, "first tokens every query attends to"),
                 "window": Option(None, int, "local window; default the original length", optional=True),
@@ -396,6 +399,7 @@ REMAP_METHODS: dict[str, Method] = {
             "STRING: relative positions >= shift moved down by shift - local, overwriting rarely trained "
             "positions (factor optional: the length to advertise and to pick the shift for)",
             needs_factor=False,
+            scales_with_factor=True,
             options={
                 "shift": Option(None, int, "shift S (0 = off); default 0.33 x the advertised length, at least "
                                 "advertised - original + local", optional=True),
