@@ -83,7 +83,14 @@ def alibi_attention_forward(
     queries at a time, each chunk seeing only the keys up to its last query; with a padding mask, a chunk's bias is
     materialised (at most ``CHUNK_BYTES``) to merge the mask in.
     """
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    # Causality is the layer's (``module.is_causal``, or not cross-attention), not the call's ``is_causal`` flag: some
+    # releases (transformers 4.57's GPT-2) pass is_causal=False for a one-token decoding step of a causal layer.
+    if getattr(module, "is_cross_attention", False):
+        causal = False
+    elif isinstance(getattr(module, "is_causal", None), bool):
+        causal = module.is_causal
+    else:
+        causal = is_causal if is_causal is not None else True
     if not causal:
         # cross-attention / bidirectional layers have no relative positions to bias: plain sdpa
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -159,15 +166,27 @@ def alibi_attention_forward(
     return (out.flip(1) if q_len > 1 else out), None
 
 
-def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+MISSING_HOOK_MESSAGE = (
+    "this transformers has no AttentionInterface / masking_utils.AttentionMaskInterface, the hook point of the ALiBi "
+    "swap (they exist from transformers 4.53; ctxext is tested from 4.57.6)"
+)
+#: Why the attention hook point is missing from the installed transformers (None: registered).
+MISSING_HOOK: str | None = None
 
+
+def _register() -> str | None:
+    """Register ``ctxext_alibi`` with both interfaces; where this transformers lacks one, say which and since when."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:
+        return MISSING_HOOK_MESSAGE
     AttentionInterface.register(ALIBI, alibi_attention_forward)
     AttentionMaskInterface.register(ALIBI, sdpa_mask)
+    return None
 
 
-_register()
+MISSING_HOOK = _register()
 
 
 def _configs(model: nn.Module) -> list:
@@ -190,6 +209,8 @@ def _configs(model: nn.Module) -> list:
 
 def can_use_attention(model: nn.Module) -> str | None:
     """None if ``model`` dispatches its attention through ``AttentionInterface``; otherwise why not."""
+    if MISSING_HOOK:
+        return MISSING_HOOK
     can_set = getattr(type(model), "_can_set_attn_implementation", None)
     if can_set is None or not callable(getattr(model, "set_attn_implementation", None)):
         return f"{type(model).__name__} is not a transformers model with a settable attention implementation"

@@ -13,6 +13,20 @@ from .sources import check_source
 from .spec import CONFIG_KEY, PatchSpec, unmark_config_dict
 
 
+def auto_tokenizer(source: Any, **kwargs: Any):
+    """``AutoTokenizer.from_pretrained``, which also reads a tokenizer saved by transformers 5.x
+    (``tokenizer_class: TokenizersBackend``, a class 4.x does not have) on a transformers without that class: the
+    same ``tokenizer.json`` through ``PreTrainedTokenizerFast.from_pretrained``."""
+    import transformers
+
+    try:
+        return transformers.AutoTokenizer.from_pretrained(source, **kwargs)
+    except ValueError as exc:
+        if hasattr(transformers, "TokenizersBackend") or "TokenizersBackend" not in str(exc):
+            raise
+        return transformers.PreTrainedTokenizerFast.from_pretrained(source, **kwargs)
+
+
 def make_saveable(model: nn.Module) -> None:
     """GGUF weights are dequantized on load, but transformers keeps a quantizer marker that blocks
     ``save_pretrained``; drop it so a patched GGUF model can be saved as ordinary safetensors."""
@@ -47,11 +61,11 @@ def _saved_config_dict(pretrained: Any, kwargs: dict[str, Any]) -> dict[str, Any
     """The raw config.json of a checkpoint saved from a ctxext-patched model (marked or not), else None."""
     if kwargs.get("gguf_file") or "config" in kwargs or not isinstance(pretrained, (str, os.PathLike)):
         return None
-    from transformers import PretrainedConfig
+    from .spec import transformers_config_class
 
     try:
         hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-        config_dict, _ = PretrainedConfig.get_config_dict(pretrained, **hub)
+        config_dict, _ = transformers_config_class().get_config_dict(pretrained, **hub)
     except Exception:  # noqa: BLE001 - from_pretrained reports the real problem
         return None
     return config_dict if isinstance(config_dict.get(CONFIG_KEY), dict) else None

@@ -83,9 +83,9 @@ def reference_model(name: str, **from_pretrained_kwargs: Any):
 
 def reference_tokenizer(name: str = "llama"):
     """The tokenizer of reference model ``name`` (all three share one byte-level BPE of 4096 entries)."""
-    from transformers import AutoTokenizer
+    from .loading import auto_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(reference_path(name)), local_files_only=True)
+    return auto_tokenizer(str(reference_path(name)), local_files_only=True)
 
 
 @functools.lru_cache(maxsize=1)

@@ -86,13 +86,21 @@ def mark_config_dict(config_dict: dict[str, Any]) -> dict[str, Any]:
         replaced["model_type"] = model_type
         data["model_type"] = f"{model_type} patched by ctxext: {LOAD_HINT}"
     rope = data.get("rope_parameters")
-    if isinstance(rope, dict):
+    if isinstance(rope, dict):  # the 5.x RoPE settings
         if _is_mark(json.dumps(rope)) and "rope_parameters" in before:
             rope = before["rope_parameters"]
         marked = _marked_rope(rope)
         if marked is not None:
             replaced["rope_parameters"] = copy.deepcopy(rope)
             data["rope_parameters"] = marked
+    elif "rope_scaling" in data and ("rope_theta" in data or "rotary_emb_base" in data):
+        # the 4.x RoPE settings: rope_theta (rotary_emb_base) + rope_scaling, None for plain RoPE; a rope_type 4.x
+        # does not know makes its rotary module fail with the hint (KeyError) on a class-specific load
+        scaling = data["rope_scaling"]
+        if _is_mark(json.dumps(scaling)) and "rope_scaling" in before:
+            scaling = before["rope_scaling"]
+        replaced["rope_scaling"] = copy.deepcopy(scaling)
+        data["rope_scaling"] = {**(scaling or {}), "rope_type": f"ctxext: {LOAD_HINT}"}
     block[REPLACED_KEY] = replaced
     data[CONFIG_KEY] = block
     return data

@@ -9,10 +9,52 @@ import pytest
 import torch
 
 
+def _takes_rope_parameters(config_class) -> bool:
+    import inspect
+
+    return "rope_parameters" in inspect.signature(config_class.__init__).parameters
+
+
+def rope_kwargs(config_class, rope: dict) -> dict:
+    """Config kwargs for RoPE settings written as a 5.x ``rope_parameters`` dict, in the API ``config_class`` has:
+    ``rope_parameters`` (5.x) or ``rope_theta`` / ``rotary_emb_base`` + ``partial_rotary_factor`` / ``rotary_pct``
+    + ``rope_scaling`` (4.x)."""
+    import inspect
+
+    if _takes_rope_parameters(config_class):
+        return {"rope_parameters": dict(rope)}
+    rope = dict(rope)
+    params = inspect.signature(config_class.__init__).parameters
+    kw = {}
+    if "rope_theta" in rope:
+        kw["rope_theta" if "rope_theta" in params else "rotary_emb_base"] = rope.pop("rope_theta")
+    if "partial_rotary_factor" in rope:
+        kw["partial_rotary_factor" if "partial_rotary_factor" in params else "rotary_pct"] = rope.pop(
+            "partial_rotary_factor")
+    kw["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+    return kw
+
+
+def rope_settings(config) -> dict:
+    """A config's RoPE settings as one 5.x-style dict, whichever API the config has."""
+    if _takes_rope_parameters(type(config)):
+        return dict(config.rope_parameters)
+    theta = getattr(config, "rope_theta", None) or getattr(config, "rotary_emb_base", None)
+    return {"rope_type": "default", **(config.rope_scaling or {}), "rope_theta": theta}
+
+
+def set_rope(config, rope: dict) -> None:
+    """Give ``config`` these RoPE settings (a 5.x ``rope_parameters`` dict, merged over its own)."""
+    merged = {**rope_settings(config), **rope}
+    for key, value in rope_kwargs(type(config), merged).items():
+        setattr(config, key, value)
+
+
 def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 
     rope = {"rope_type": "default", "rope_theta": overrides.pop("rope_theta", 500.0)}
+    rope.update(overrides.pop("rope_parameters", {}))
     kw = dict(
         vocab_size=128,
         hidden_size=48,
@@ -22,7 +64,7 @@ def tiny_llama_config(**overrides):
         num_key_value_heads=2,  # GQA
         head_dim=16,  # head_dim != hidden / heads
         max_position_embeddings=64,
-        rope_parameters=rope,
+        **rope_kwargs(LlamaConfig, rope),
         attn_implementation="sdpa",
     )
     kw.update(overrides)
@@ -50,7 +92,7 @@ def tiny_neox(seed: int = 0, **overrides):
         num_hidden_layers=2,
         num_attention_heads=4,
         max_position_embeddings=64,
-        rope_parameters=rope,
+        **rope_kwargs(GPTNeoXConfig, rope),
         attn_implementation="sdpa",
         **overrides,
     )
@@ -94,6 +136,17 @@ def tiny_bloom(seed: int = 0, **overrides):
     kw = dict(vocab_size=128, hidden_size=36, n_layer=2, n_head=9, bos_token_id=0, eos_token_id=1)
     kw.update(overrides)
     return BloomForCausalLM(BloomConfig(**kw)).eval()
+
+
+def bloom_slopes(num_heads: int) -> torch.Tensor:
+    """BLOOM's own ALiBi slopes, from whichever surface this transformers has: the module-level slope function
+    (5.x releases that define it) or the ALiBi tensor of one key at position 1 (every release)."""
+    from transformers.models.bloom import modeling_bloom
+
+    function = getattr(modeling_bloom, "_get_alibi_slopes", None)
+    if callable(function):
+        return function(num_heads, torch.device("cpu"))
+    return modeling_bloom.build_alibi_tensor(torch.ones(1, 2), num_heads, torch.float32)[:, 0, 1]
 
 
 @pytest.fixture

@@ -33,11 +33,11 @@ def press_slopes(n: int) -> list[float]:
 
 @pytest.mark.parametrize("heads", [8, 12, 9, 1, 2, 3, 5, 16, 24, 32, 40, 64, 96, 112])
 def test_slopes_equal_bloom_and_press(heads):
-    from transformers.models.bloom.modeling_bloom import _get_alibi_slopes
+    from conftest import bloom_slopes
 
     ours = alibi_slopes(heads)
     assert ours.dtype == torch.float32 and ours.shape == (heads,)
-    assert torch.equal(ours, _get_alibi_slopes(heads, torch.device("cpu")))  # bit-identical to BLOOM's
+    assert torch.equal(ours, bloom_slopes(heads))  # bit-identical to BLOOM's
     press = torch.tensor(press_slopes(heads), dtype=torch.float64)
     torch.testing.assert_close(ours.double(), press, rtol=1e-6, atol=0)  # float32 powers of a float32 base
 
@@ -291,3 +291,15 @@ def test_failed_attention_switch_leaves_nothing_behind(monkeypatch):
     assert torch.equal(model(ids).logits, logits)
     assert model.config.to_dict() == config and model.config._attn_implementation == "sdpa"
     assert ctxext.describe(model) is None
+
+
+def test_swap_refused_clearly_where_transformers_lacks_the_attention_hook_point(llama, monkeypatch):
+    """A transformers without AttentionInterface / AttentionMaskInterface: a PatchError naming the version that has
+    them, before the model is touched (not an ImportError or AttributeError)."""
+    import ctxext.attention
+
+    monkeypatch.setattr(ctxext.attention, "MISSING_HOOK", ctxext.attention.MISSING_HOOK_MESSAGE)
+    before = llama.config._attn_implementation
+    with pytest.raises(ctxext.PatchError, match=r"AttentionInterface.*transformers 4\.53"):
+        ctxext.patch(llama, "alibi")
+    assert llama.config._attn_implementation == before and ctxext.describe(llama) is None

@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from conftest import rope_kwargs
 
 DATA = Path(__file__).parent / "data"
 CORPUS = DATA / "eval_corpus.txt"
@@ -41,7 +42,7 @@ def save_tiny_llama(directory: Path, seed: int = 0, max_positions: int = 64) -> 
     cfg = LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=max_positions,
-        rope_parameters={"rope_type": "default", "rope_theta": 500.0}, attn_implementation="sdpa",
+        **rope_kwargs(LlamaConfig, {"rope_type": "default", "rope_theta": 500.0}), attn_implementation="sdpa",
         eos_token_id=0, pad_token_id=0, bos_token_id=0,
     )
     LlamaForCausalLM(cfg).save_pretrained(directory)

@@ -174,7 +174,9 @@ def test_matches_dense_reference(arch, method, factor, options):
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     with torch.no_grad():
         plain = model(ids).logits
-    assert not torch.allclose(got, plain, atol=1e-3)  # the patch does change the model
+    # the patch does change the model, by well over the 1e-5 the comparison above allows (STRING moves few pairs of
+    # the tiny partial-rotary NeoX: 4.6e-4 at most on transformers 5.0, whose random init differs from 5.23's)
+    assert (got - plain).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("strategy", ["scores", "concat"])

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import tiny_llama, tiny_neox
+from conftest import rope_settings, set_rope, tiny_llama, tiny_neox
 
 import ctxext
 from ctxext.adapters.rotary import rotary_modules
@@ -18,7 +18,7 @@ SEQ = 200  # > 3 x L0: well past the original length
 def _reference(model, rope_parameters: dict):
     """The same weights configured with transformers' own rope type (L0 as the original length)."""
     config = copy.deepcopy(model.config)
-    config.rope_parameters = {**model.config.rope_parameters, **rope_parameters}
+    set_rope(config, rope_parameters)
     if "original_max_position_embeddings" in rope_parameters:
         config.max_position_embeddings = 4 * L0  # transformers wants original < max
     other = type(model)(config).eval()
@@ -91,7 +91,7 @@ def test_ntk_matches_its_formula(model_fn, factor):
     model = model_fn()
     (_, module), *_ = rotary_modules(model)
     dim = 2 * module.inv_freq.numel()
-    base = model.config.rope_parameters["rope_theta"]
+    base = rope_settings(model.config)["rope_theta"]
     ctxext.patch(model, "ntk", factor)
     new_base = base * factor ** (dim / (dim - 2))
     expected = 1.0 / (new_base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))

@@ -209,11 +209,13 @@ def test_the_mark_lives_only_in_the_saved_json(tmp_path):
     model = tiny_llama()
     ctxext.patch(model, "yarn", 4)
     live = model.config.to_dict()
-    assert live["model_type"] == "llama" and live["rope_parameters"]["rope_type"] == "default"
+    rope_key = "rope_parameters" if "rope_parameters" in live else "rope_scaling"  # transformers 5.x / 4.x API
+    assert live["model_type"] == "llama" and (live[rope_key] or {"rope_type": "default"})["rope_type"] == "default"
     assert "replaced_on_save" not in live["ctxext"]
     saved = json.loads(model.config.to_json_string())
     assert saved["model_type"] == "llama patched by ctxext: load it with ctxext.from_pretrained(path)"
-    assert saved["ctxext"]["replaced_on_save"] == {"model_type": "llama", "rope_parameters": live["rope_parameters"]}
+    assert saved["ctxext"]["replaced_on_save"] == {"model_type": "llama", rope_key: live[rope_key]}
+    assert "ctxext.from_pretrained(path)" in saved[rope_key]["rope_type"]
     model.config.save_pretrained(tmp_path)  # the config alone is marked too
     assert json.loads((tmp_path / "config.json").read_text()) == saved
     ctxext.unpatch(model)

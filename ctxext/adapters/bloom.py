@@ -9,6 +9,18 @@ BLOOM models in the process are unaffected. The original function is put back wh
 unpatched or garbage-collected. The attention path (BLOOM is eager-only in transformers 5.23) is not
 touched.
 
+Two hook points, chosen by what the installed transformers has (principle 8: capability, not version):
+
+- the module-level slope function ``_get_alibi_slopes`` where the modeling module defines one (transformers 5.x
+  releases that have it: BLOOM calls it on every path), replaced by a dispatcher as above;
+- otherwise (e.g. transformers 4.57, 5.0 and 5.12, where ``BloomModel.forward`` always builds a mask and calls
+  ``self.build_alibi_tensor`` with it) the ``build_alibi_tensor`` method of the one patched ``BloomModel`` instance:
+  the wrapper calls the original in float32, recovers each key's ALiBi position from it (BLOOM's own cumulative-mask
+  positions) and multiplies them by the transformed slopes, which gives the same tensor, bit for bit, as the slope
+  function path.
+
+Where a model has neither, it is not detected as BLOOM (``find_adapter`` then refuses it with a PatchError).
+
 - ``pi``: interpolated ALiBi, every relative distance divided by the factor (slopes / factor);
 - ``nope``: slopes zero, the ALiBi bias removed;
 - ``extrapolate``: slopes unchanged, only the advertised length grows;
@@ -98,14 +110,36 @@ def _acquire(modeling) -> Restore:
     return release
 
 
-def alibi_owner(model: nn.Module) -> tuple[nn.Module, object] | None:
-    """The module that builds the ALiBi tensor (BloomModel) and the modeling module holding its slope function."""
+def alibi_owner(model: nn.Module) -> tuple[nn.Module, object | None] | None:
+    """The module that builds the ALiBi tensor (BloomModel) and the modeling module holding its slope function
+    (None where that module has no slope function: then the owner's ``build_alibi_tensor`` is the hook point)."""
     for module in model.modules():
         if callable(getattr(module, "build_alibi_tensor", None)):
             modeling = sys.modules.get(type(module).__module__)
-            if callable(getattr(modeling, SLOPE_FUNCTION, None)):
-                return module, modeling
+            return module, (modeling if callable(getattr(modeling, SLOPE_FUNCTION, None)) else None)
     return None
+
+
+def _wrap_build_alibi_tensor(owner: nn.Module, transform: SlopeTransform) -> Restore:
+    """Hook point where the modeling module has no slope function: the owner's ``build_alibi_tensor`` method.
+
+    BLOOM's tensor is ``slopes[h] * position`` (float32, then cast), shape (batch * heads, 1, keys). The wrapper
+    takes the float32 tensor from the original, divides by the original slopes and rounds to get the (integer)
+    positions back exactly, and multiplies them by the transformed slopes."""
+    original = owner.build_alibi_tensor
+
+    @functools.wraps(original)
+    def build_alibi_tensor(attention_mask, num_heads, dtype, *args, **kwargs):
+        base = original(attention_mask, num_heads, torch.float32, *args, **kwargs)
+        slopes = alibi.alibi_slopes(num_heads).to(base.device)
+        batch = base.shape[0] // num_heads
+        per_head = base.reshape(batch, num_heads, *base.shape[1:])
+        positions = torch.round(per_head / slopes.view(1, num_heads, *([1] * (per_head.dim() - 2))))
+        new_slopes = transform(slopes).view(1, num_heads, *([1] * (per_head.dim() - 2)))
+        return (new_slopes * positions).reshape(base.shape).to(dtype)
+
+    owner.build_alibi_tensor = build_alibi_tensor
+    return lambda: owner.__dict__.pop("build_alibi_tensor", None)
 
 
 def _hooks(owner: nn.Module, transform: SlopeTransform) -> Restore:
@@ -159,6 +193,9 @@ class BloomAdapter(Adapter):
         owner, modeling = alibi_owner(model)
         undo: list[Restore] = []
         try:
+            if modeling is None:
+                undo.append(_wrap_build_alibi_tensor(owner, transform))
+                return functools.partial(run_all, undo)
             # released by unpatch, or when the model is garbage-collected without one
             undo.append(weakref.finalize(owner, _acquire(modeling)))
             undo.append(_hooks(owner, transform))

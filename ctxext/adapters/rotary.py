@@ -48,11 +48,16 @@ def rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _rope_theta(module: nn.Module) -> float | None:
+def _rope_thetas(module: nn.Module) -> list[float]:
+    """The RoPE bases the module's config names, where each transformers API keeps it: ``rope_parameters
+    ["rope_theta"]`` (5.x), ``rope_theta`` (4.x, most models) or ``rotary_emb_base`` (4.x GPT-NeoX). A 4.x config
+    may also carry a ``rope_parameters`` attribute it ignores (passed as an unknown kwarg), so the caller keeps the
+    base the module's ``inv_freq`` was actually built from."""
     config = getattr(module, "config", None)
     params = getattr(config, "rope_parameters", None) or {}
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
-    return theta if theta is not None else getattr(config, "rope_theta", None)
+    found = [params.get("rope_theta") if isinstance(params, dict) else None]
+    found += [getattr(config, "rope_theta", None), getattr(config, "rotary_emb_base", None)]
+    return [float(t) for t in found if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0]
 
 
 def rope_inputs(name: str, module: nn.Module, original_length: int) -> rope.RopeInputs:
@@ -63,12 +68,14 @@ def rope_inputs(name: str, module: nn.Module, original_length: int) -> rope.Rope
         )
     inv_freq = module.original_inv_freq.detach().float()
     dim = 2 * inv_freq.numel()
-    base = _rope_theta(module)
-    if base is None or dim < 4:
+    bases = _rope_thetas(module)
+    if not bases or dim < 4:
         raise PatchError(f"rotary module {name or '<root>'} has no rope_theta or too few dimensions ({dim})")
     # Guard against a rotary module of the same shape but another frequency formula.
-    expected = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    if not torch.allclose(inv_freq.cpu().double(), expected, rtol=1e-4, atol=0):
+    exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
+    matching = [b for b in bases if torch.allclose(inv_freq.cpu().double(), 1.0 / (b**exponents), rtol=1e-4, atol=0)]
+    base = matching[0] if matching else bases[0]
+    if not matching:
         raise PatchError(
             f"rotary module {name or '<root>'}: inv_freq does not follow base**(-2i/d) with rope_theta={base}; "
             "ctxext does not know this rotary variant"
@@ -214,14 +221,25 @@ class RotaryAdapter(Adapter):
 
 
 def _saver(module: nn.Module) -> Restore:
-    """Snapshot what a patch may change on a rotary module; the returned function puts it back bit-exactly."""
+    """Snapshot what a patch may change on a rotary module; the returned function puts it back bit-exactly.
+
+    Where ``original_inv_freq`` is the ``inv_freq`` tensor itself (transformers 4.x rotary modules alias them; 5.x
+    keeps a separate buffer), it becomes a copy while patched, so the in-place rewrite of ``inv_freq`` leaves the
+    original frequencies intact (a replace, a second patch and transformers' own dynamic update read them); unpatch
+    restores the alias."""
     inv_freq = module.inv_freq.detach().clone()
     attention_scaling = module.attention_scaling
+    original = module.original_inv_freq
+    aliased = original is module.inv_freq
+    if aliased:
+        module.original_inv_freq = original.detach().clone()
 
     def restore():
         with torch.no_grad():
             module.inv_freq.copy_(inv_freq.to(module.inv_freq.device))
         module.attention_scaling = attention_scaling
+        if aliased:
+            module.original_inv_freq = module.inv_freq
 
     return restore
 

@@ -11,11 +11,11 @@ from .device import move_model, placement_kwargs, resolve_dtype
 
 
 def load_tokenizer(model_id: str, *, gguf_file: str | None = None):
-    from transformers import AutoTokenizer
+    from ..loading import auto_tokenizer
 
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_id, **kwargs)
+        tokenizer = auto_tokenizer(model_id, **kwargs)
     except (OSError, ValueError) as exc:
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise OSError(

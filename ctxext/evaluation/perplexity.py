@@ -58,7 +58,7 @@ def _call(model, input_ids: torch.Tensor, keep: int):
     mask = torch.ones_like(input_ids)
     try:
         return model(input_ids=input_ids, attention_mask=mask, use_cache=False, logits_to_keep=keep)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # a forward without logits_to_keep (4.57's BLOOM: ValueError)
         if "logits_to_keep" not in str(exc):
             raise
         return model(input_ids=input_ids, attention_mask=mask, use_cache=False)

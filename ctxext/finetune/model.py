@@ -55,12 +55,12 @@ def _load_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def load_tokenizer(cfg: ModelConfig):
-    from transformers import AutoTokenizer
+    from ..loading import auto_tokenizer
 
     source = cfg.tokenizer or model_source(cfg)
     kw = _load_kwargs(cfg) if not cfg.tokenizer else {}
     try:
-        return AutoTokenizer.from_pretrained(source, **kw)
+        return auto_tokenizer(source, **kw)
     except OSError as exc:
         raise RecipeError(f"cannot load tokenizer {source!r}: {str(exc).splitlines()[0]}") from None
 

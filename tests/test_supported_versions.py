@@ -1,0 +1,34 @@
+"""The declared transformers range, the README table and the CI matrix's record (.ci/supported_versions.json) agree.
+
+Whether every entry passed is the matrix's own exit status (CI fails on it), not asserted here: this suite runs
+inside the matrix, while the record is being rewritten."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / ".ci" / "supported_versions.json"
+
+
+def _results() -> dict:
+    return json.loads(RESULTS.read_text())
+
+
+def test_pyproject_states_the_range_the_matrix_proves():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    declared = re.search(r'"(transformers[^"]*)"', pyproject).group(1)
+    assert declared == _results()["requirement"]
+
+
+def test_readme_table_is_the_matrix_output():
+    table = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "matrix"), "--markdown"], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Supported versions", 1)[1].split("\n## ", 1)[0]
+    assert table in section
