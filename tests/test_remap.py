@@ -15,6 +15,8 @@ import math
 import pytest
 import torch
 
+from conftest import rope_kwargs
+
 import ctxext.remap_attention as remap_attention
 from ctxext.adapters.remap import REMAP_METHODS, apply_remap, check_remap
 from ctxext.attention import use_attention
@@ -29,9 +31,10 @@ def _llama(**overrides):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
+    rope = overrides.pop("rope_parameters", {"rope_type": "default", "rope_theta": 500.0})
     kw = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=L0,
-              rope_parameters={"rope_type": "default", "rope_theta": 500.0}, attn_implementation="sdpa")
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=L0, attn_implementation="sdpa",
+              **rope_kwargs(LlamaConfig, rope))  # rope_parameters (5.x) or rope_theta + rope_scaling (4.x)
     kw.update(overrides)
     return LlamaForCausalLM(LlamaConfig(**kw)).eval()
 
@@ -40,10 +43,9 @@ def _neox(**overrides):
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     torch.manual_seed(0)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=L0,
-              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
-              attn_implementation="sdpa")
+              max_position_embeddings=L0, attn_implementation="sdpa", **rope_kwargs(GPTNeoXConfig, rope))
     kw.update(overrides)
     return GPTNeoXForCausalLM(GPTNeoXConfig(**kw)).eval()
 
