@@ -303,7 +303,7 @@ def _jobs(args, demo: bool, device: str, texts):
     Nothing is loaded: each job holds loaders."""
     from ..evaluation.demo import demo_jobs, demo_lengths, reference_texts
     from ..evaluation.models import load_model, load_tokenizer
-    from ..evaluation.preflight import model_skeleton
+    from ..loading import model_skeleton
     from ..evaluation.runner import ModelJob
 
     if demo:

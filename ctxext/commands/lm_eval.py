@@ -139,7 +139,7 @@ def precheck(parsed) -> None:
 def check_fits(model_args: dict, checked: dict) -> None:
     """Build the model without weights from its config and check that the method fits its family."""
     from ..api import build_spec
-    from ..evaluation.preflight import model_skeleton
+    from ..loading import model_skeleton
 
     kwargs = {k: model_args[k] for k in ("revision", "trust_remote_code") if model_args.get(k) is not None}
     skeleton = model_skeleton(str(model_args["pretrained"]), gguf_file=model_args.get("gguf_file") or None, **kwargs)

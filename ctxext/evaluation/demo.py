@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from .data import Texts
-from .preflight import model_skeleton
+from ..loading import model_skeleton
 from .runner import DEFAULT_MULTIPLES, ModelJob
 
 #: Tokens fed per (model, method, length) in the default run (64 windows at 1x ... 8 at 8x): the same

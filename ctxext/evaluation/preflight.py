@@ -7,7 +7,6 @@ says whether a patch fits the model exactly as it will after loading.
 from __future__ import annotations
 
 from ..errors import PatchError
-from ..loading import model_skeleton  # noqa: F401  (the skeleton these checks run on)
 from .requests import NONE, MethodRequest, check_request
 
 
