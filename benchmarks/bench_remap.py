@@ -1,7 +1,7 @@
 """Cost of attention-side position remapping: forward time and peak memory of each remap method (attention
 ``ctxext_remap``) vs plain sdpa, on the small benchmark LLaMA (trained length 1024) at 4k and 16k tokens.
 
-    python benchmarks/bench_remap.py [--lengths 4096,16384] [--methods self-extend,rerope,lm-infinite,string]
+    python benchmarks/bench_remap.py [--lengths 4096,16384] [--methods self-extend,dca,rerope,lm-infinite,string]
                                      [--repeats 1] [--runs 1] [--threads 1] [--strategy scores|concat]
                                      [--out benchmarks/results/remap_cost.json]
 
@@ -32,7 +32,7 @@ from common import small_llama_config
 L0 = 1024
 CONFIG = small_llama_config(L0)
 TARGETS = {"memory_ratio": 1.5, "time_ratio": 3.0}
-METHODS = ["self-extend", "rerope", "lm-infinite", "string"]
+METHODS = ["self-extend", "dca", "rerope", "lm-infinite", "string"]
 
 
 def child(variant: str, length: int, runs: int, threads: int, strategy: str) -> dict:

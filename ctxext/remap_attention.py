@@ -1,4 +1,4 @@
-"""Attention with remapped rotary positions (Self-Extend, ReRoPE, LM-Infinite, STRING) through transformers'
+"""Attention with remapped rotary positions (Self-Extend, DCA, ReRoPE, LM-Infinite, STRING) through transformers'
 attention interfaces.
 
 ``ctxext_remap`` is an attention function registered with ``AttentionInterface`` and a mask function of the same
@@ -22,8 +22,9 @@ within a row (as ``generate`` and ``cumsum(mask) - 1`` make them). Without ``pos
 positions.
 
 Memory. The function never builds a (heads x T x T) tensor for large T. When every pair of the call is within
-the map's ``near`` range (e.g. all within the window), it rotates q and k once and calls transformers' own sdpa
-function, so short inputs cost what the unpatched model costs. Otherwise the queries go in chunks of at most
+the map's ``near`` range (e.g. all within the window), or every query is before the map's ``plain_below`` (DCA's
+first chunk and local window), it rotates q and k once and calls transformers' own sdpa function, so short inputs
+cost what the unpatched model costs. Otherwise the queries go in chunks of at most
 ``CHUNK_BYTES`` of scores, each chunk only over the keys up to its last query; a chunk whose pairs all use one
 rotation runs sdpa with a boolean mask; a chunk that mixes rotations runs the ``STRATEGY`` below.
 """
@@ -176,7 +177,7 @@ def remap_attention_forward(
         first = torch.where(seen, torch.arange(kv_len, device=query.device), kv_len - 1).amin(-1)
         first_key = kpos.gather(1, first[:, None])[:, 0]
     farthest = int((qpos.amax(-1) - first_key).amax()) if q_len else 0
-    if farthest < pmap.near:
+    if farthest < pmap.near or (q_len and int(qpos.amax()) < pmap.plain_below):
         return sdpa_attention_forward(
             module,
             rotate(query, qpos, inv_freq, att),

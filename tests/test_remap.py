@@ -1,4 +1,4 @@
-"""Attention-side position remapping (self-extend, rerope, lm-infinite, string): the ``ctxext_remap`` attention
+"""Attention-side position remapping (self-extend, dca, rerope, lm-infinite, string): the ``ctxext_remap`` attention
 against a dense reference written from each paper's definition, identity settings, cached decoding, padded
 batches, exact restore and bad input.
 
@@ -21,7 +21,7 @@ import ctxext.remap_attention as remap_attention
 from ctxext.adapters.remap import REMAP_METHODS, apply_remap, check_remap
 from ctxext.attention import use_attention
 from ctxext.errors import PatchError
-from ctxext.methods.remap import build_map, suggest_self_extend
+from ctxext.methods.remap import PositionMap, Rotation, build_map, suggest_self_extend
 
 L0 = 64  # the tiny models' max_position_embeddings
 VOCAB = 128
@@ -74,7 +74,28 @@ def paper_relative(method: str, factor, options: dict, i: torch.Tensor, j: torch
     if method == "string":
         s, w = options["shift"], options["local"]
         return torch.where(d < s, d, d - s + w), torch.ones_like(d, dtype=torch.bool)
+    if method == "dca":
+        rel = dca_relative(options["chunk_size"], options["local_window"], L0, i, j)
+        return rel, torch.ones_like(d, dtype=torch.bool)
     raise AssertionError(method)
+
+
+def dca_positions(s: int, w: int, c: int, n: torch.Tensor):
+    """The ChunkLlama paper's position indices (Eqs. 2, 5, 7) at absolute positions n: P_k = P_q^Intra = n mod s,
+    P_q^Succ = [s, s + 1, ..., s + w - 1, c - 1, ..., c - 1] repeated per chunk, P_q^Inter = c - 1."""
+    p_k = n % s
+    p_intra = p_k
+    p_succ = torch.where(n % s < w, s + n % s, torch.full_like(n, c - 1))
+    p_inter = torch.full_like(n, c - 1)
+    return p_k, p_intra, p_succ, p_inter
+
+
+def dca_relative(s: int, w: int, c: int, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+    """M[i][j] of the paper's Eq. 8: by floor(i/s) - floor(j/s) = 0, 1 or > 1, intra / successive / inter."""
+    p_k, _, _, _ = dca_positions(s, w, c, j)
+    _, p_intra, p_succ, p_inter = dca_positions(s, w, c, i)
+    apart = i // s - j // s
+    return torch.where(apart == 0, p_intra - p_k, torch.where(apart == 1, p_succ - p_k, p_inter - p_k)).double()
 
 
 class Dense:
@@ -162,7 +183,12 @@ CASES = [
     ("rerope", 8, {"window": 12, "leaky": 4.0, "log_scale": False}),
     ("lm-infinite", 8, {"global_tokens": 4, "window": 32}),
     ("string", 1.5, {"shift": 40, "local": 8}),
+    ("dca", 4, {}),  # the paper's defaults: chunk 3/4 x 64 = 48, local window 64 - 48 = 16
+    ("dca", 8, {"chunk_size": 20, "local_window": 7}),  # 10 chunks at 200 tokens, window below c - s
+    ("dca", None, {"chunk_size": 24, "local_window": 0}),  # no successive-chunk attention (intra + inter only)
 ]
+#: by method, for the tests that take one case each
+SELF_EXTEND, REROPE, LEAKY_REROPE, LM_INFINITE, STRING, DCA, DCA_SMALL = (CASES[i] for i in (0, 2, 3, 4, 5, 6, 7))
 
 
 @pytest.mark.parametrize("arch", sorted(MODELS))
@@ -189,7 +215,7 @@ def test_small_chunks_and_both_strategies(monkeypatch, strategy):
     monkeypatch.setattr(remap_attention, "STRATEGY", strategy)
     model = _llama()
     ids = _ids(150, seed=3)
-    for method, factor, options in (CASES[0], CASES[4]):
+    for method, factor, options in (SELF_EXTEND, LM_INFINITE, DCA_SMALL):
         want = dense_logits(model, method, factor, options, ids)
         got = remap_logits(model, method, factor, options, ids)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
@@ -226,8 +252,9 @@ def test_within_the_window_is_the_unpatched_model():
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("method,factor,options", CASES[::2] + [CASES[3], CASES[5]],
-                         ids=["self-extend", "rerope", "lm-infinite", "leaky-rerope", "string"])
+@pytest.mark.parametrize("method,factor,options",
+                         [SELF_EXTEND, REROPE, LM_INFINITE, LEAKY_REROPE, STRING, DCA, DCA_SMALL],
+                         ids=["self-extend", "rerope", "lm-infinite", "leaky-rerope", "string", "dca", "dca-small"])
 def test_cached_generate_equals_full_forward(method, factor, options):
     """Past the original length (64) and past every window: prefill 90 tokens, decode 30 more with the cache."""
     from checks import generate_equals_full_forward
@@ -241,8 +268,8 @@ def test_cached_generate_equals_full_forward(method, factor, options):
         restore()
 
 
-@pytest.mark.parametrize("method,factor,options", CASES[::2] + [CASES[5]],
-                         ids=["self-extend", "rerope", "lm-infinite", "string"])
+@pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, REROPE, LM_INFINITE, STRING, DCA_SMALL],
+                         ids=["self-extend", "rerope", "lm-infinite", "string", "dca"])
 def test_padded_batch_equals_single_rows(method, factor, options):
     from checks import padded_batch_equals_single_rows
 
@@ -289,7 +316,11 @@ def test_defaults_follow_the_factor():
     assert build_map("lm-infinite", 4096, 4).options == {"global_tokens": 10, "window": 4096}
     assert build_map("string", 4096).options == {"shift": round(0.33 * 4096), "local": 128}
     assert build_map("string", 8192, 2).options == {"shift": 8192 + 128, "local": 128}
-    assert set(REMAP_METHODS) == {"self-extend", "rerope", "lm-infinite", "string"}
+    assert build_map("dca", 4096, 4).options == {"chunk_size": 3072, "local_window": 1024}  # the paper's Llama 2
+    assert build_map("dca", 4096).options == build_map("dca", 4096, 32).options  # DCA reaches any length
+    assert build_map("dca", 4096, 4, chunk_size=1024).options == {"chunk_size": 1024, "local_window": 1024}
+    assert build_map("dca", 4096, 4, chunk_size=3000).options == {"chunk_size": 3000, "local_window": 1096}
+    assert set(REMAP_METHODS) == {"self-extend", "dca", "rerope", "lm-infinite", "string"}
     assert all(not m.needs_factor for m in REMAP_METHODS.values())
 
 
@@ -304,6 +335,105 @@ def test_relative_positions_of_the_maps():
         torch.testing.assert_close(got[visible & causal], rel[visible & causal], atol=1e-12, rtol=0)
 
 
+def test_dca_positions_are_the_papers_figure_2():
+    """The running example of the ChunkLlama paper (Figure 2, Section 3): pretraining length c = 10, chunk size
+    s = 6, local window w = 4, 12 tokens. P_k = [0..5, 0..5], P_q^Succ = [6, 7, 8, 9, 9, 9] per chunk, and the map's
+    relative positions are the paper's M (Eq. 8): true distances within a chunk and for the first w queries of the
+    next chunk, 9 - P_k[j] for the rest."""
+    n = torch.arange(12)
+    p_k, p_intra, p_succ, p_inter = dca_positions(6, 4, 10, n)
+    assert p_k.tolist() == [0, 1, 2, 3, 4, 5] * 2 and torch.equal(p_intra, p_k)
+    assert p_succ.tolist() == [6, 7, 8, 9, 9, 9] * 2 and p_inter.tolist() == [9] * 12
+    pmap = build_map("dca", 10, None, chunk_size=6, local_window=4)
+    got = pmap.relative(n[:, None], n[None, :])
+    causal = n[None, :] <= n[:, None]
+    want = dca_relative(6, 4, 10, n[:, None], n[None, :])
+    assert torch.equal(got[causal], want[causal])
+    assert got[10, :6].tolist() == [9, 8, 7, 6, 5, 4] and got[9, :6].tolist() == [9, 8, 7, 6, 5, 4]
+    assert got[6, :6].tolist() == [6, 5, 4, 3, 2, 1]  # q6 at P_q^Succ = 6: its true distances
+    # three chunks (inter-chunk pairs) and a window below c - s, by the paper's equations
+    pmap = build_map("dca", 64, None, chunk_size=20, local_window=7)
+    i, j = torch.arange(130)[:, None], torch.arange(130)[None, :]
+    causal = j <= i
+    assert torch.equal(pmap.relative(i, j)[causal], dca_relative(20, 7, 64, i, j)[causal])
+    assert int(pmap.relative(i, j)[causal].max()) == 63  # every relative position stays below c
+
+
+def test_dca_defaults_are_the_unpatched_model_within_the_trained_length(monkeypatch):
+    """chunk 3/4 c and window c - s: no query before c is two chunks from a key or past the window, so up to the
+    trained length DCA is the unpatched model, through the fast path (transformers' sdpa, rotated once)."""
+    import transformers.integrations.sdpa_attention as sdpa
+
+    calls = []
+    plain = sdpa.sdpa_attention_forward
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return plain(*args, **kwargs)
+
+    model = _llama()
+    for length in (5, 50, L0):
+        ids = _ids(length, seed=length)
+        with torch.no_grad():
+            want = model(ids).logits
+        monkeypatch.setattr(sdpa, "sdpa_attention_forward", counted)
+        calls.clear()
+        got = remap_logits(model, *DCA, ids)
+        monkeypatch.setattr(sdpa, "sdpa_attention_forward", plain)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        assert len(calls) == model.config.num_hidden_layers, "DCA within the trained length left the fast path"
+    ids = _ids(L0 + 1)
+    with torch.no_grad():
+        assert (remap_logits(model, *DCA, ids) - model(ids).logits).abs().max() > 1e-4  # past c it acts
+
+
+def _dca_three_rotations(s: int, w: int, c: int) -> PositionMap:
+    """DCA as the paper computes it: three query rotations (P_q^Intra, P_q^Succ, P_q^Inter), one key rotation
+    (P_k = j mod s) shared by all three, selected by chunk distance. None of them is the identity."""
+    key = lambda j: torch.remainder(j, s)  # noqa: E731
+    intra = Rotation(query=lambda i: torch.remainder(i, s), key=key)
+    succ = Rotation(query=lambda i: torch.where(torch.remainder(i, s) < w, s + torch.remainder(i, s),
+                                                torch.full_like(i, c - 1)), key=key)
+    inter = Rotation(query=lambda i: torch.full_like(i, c - 1), key=key)
+
+    def select(i, j):
+        apart = torch.div(i, s, rounding_mode="floor") - torch.div(j, s, rounding_mode="floor")
+        return apart.clamp(0, 2).to(torch.int8)
+
+    return PositionMap("dca", (intra, succ, inter), select, 0, None, {"chunk_size": s, "local_window": w})
+
+
+@pytest.mark.parametrize("strategy", ["scores", "concat"])
+def test_three_rotation_maps(monkeypatch, strategy):
+    """The attention merges any number of rotations in one softmax: DCA written as the paper's three query
+    rotations (swapped into the patched model's state) gives the dense reference's logits, in small query chunks
+    (where some chunks use one, two or three rotations) and with both strategies; and so does the two-rotation map
+    ctxext uses."""
+    monkeypatch.setattr(remap_attention, "MIN_ROWS", 8)
+    monkeypatch.setattr(remap_attention, "CHUNK_BYTES", 8 * 4 * 200 * 4 * 9)  # 18-25 rows a chunk
+    monkeypatch.setattr(remap_attention, "STRATEGY", strategy)
+    method, factor, options = DCA_SMALL
+    for arch in sorted(MODELS):
+        model = MODELS[arch]()
+        ids = _ids(200, seed=5)
+        want = dense_logits(model, method, factor, options, ids)
+        restore = apply_remap(model, method, factor, options)
+        try:
+            with torch.no_grad():
+                two = model(ids).logits
+            three = _dca_three_rotations(options["chunk_size"], options["local_window"], L0)
+            for module in model.modules():
+                state = getattr(module, remap_attention.STATE_ATTR, None)
+                if state is not None:
+                    state.map = three
+            with torch.no_grad():
+                got = model(ids).logits
+        finally:
+            restore()
+        torch.testing.assert_close(two, want, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
 BAD = [
     ("self-extend", 8, {"group": 0}, r"'group'.*>= 1"),
     ("self-extend", 8, {"window": 0}, r"'window'.*>= 1"),
@@ -316,6 +446,13 @@ BAD = [
     ("string", 1.5, {"shift": 8, "local": 16}, r"local=16.*<= shift=8"),
     ("string", 4, {}, r"STRING reaches at most"),
     ("string", 8, {"bogus": 1}, r"bad option"),
+    ("dca", 8, {"chunk_size": 0}, r"'chunk_size'.*>= 1"),
+    ("dca", 8, {"chunk_size": 64}, r"chunk_size=64.*< the trained length 64"),
+    ("dca", 8, {"chunk_size": 12.5}, r"whole number"),
+    ("dca", 8, {"local_window": -1}, r"'local_window'.*>= 0"),
+    ("dca", 8, {"chunk_size": 20, "local_window": 21}, r"local_window=21.*larger than needed.*<= 20"),
+    ("dca", 8, {"chunk_size": 48, "local_window": 17}, r"local_window=17.*past the trained.*<= 16"),
+    ("dca", 8, {"local_window": 17}, r"local_window <= 16"),  # against the default chunk size 48
 ]
 
 
@@ -349,7 +486,8 @@ def test_models_it_cannot_serve_are_refused():
 # ----------------------------------------------------------------------------- through the public API and the CLI
 
 
-@pytest.mark.parametrize("method, factor, options", CASES[::2] + CASES[-1:], ids=lambda v: str(v))
+@pytest.mark.parametrize("method, factor, options", [SELF_EXTEND, REROPE, LM_INFINITE, STRING, DCA_SMALL],
+                         ids=lambda v: str(v))
 def test_public_patch_equals_the_map_and_survives_save(method, factor, options, tmp_path):
     """ctxext.patch gives the logits of the position map; save -> ctxext.from_pretrained keeps the patch (bit for
     bit); a plain transformers load refuses the checkpoint; unpatch restores the model exactly."""
@@ -395,7 +533,7 @@ def test_remap_methods_refuse_other_families_and_bad_options_via_the_api():
 
 
 def test_eval_cli_runs_remap_methods(tmp_path):
-    """`ctxext eval --methods self-extend,rerope,lm-infinite,string` on a tiny saved model."""
+    """`ctxext eval --methods self-extend,dca,rerope,lm-infinite,string` on a tiny saved model."""
     import json
 
     from ctxext.cli import main
@@ -404,9 +542,9 @@ def test_eval_cli_runs_remap_methods(tmp_path):
     model_dir = save_tiny_llama(tmp_path / "llama")
     out = tmp_path / "r.json"
     rc = main(["eval", "--no-progress", "--device", "cpu", "--model", str(model_dir), "--data", str(CORPUS),
-               "--lengths", "64,128", "--methods", "none,self-extend,rerope,lm-infinite,string:1.5", "--factor", "2",
-               "--max-windows", "1", "--output", str(out)])
+               "--lengths", "64,128", "--methods", "none,self-extend,dca,rerope,lm-infinite,string:1.5",
+               "--factor", "2", "--max-windows", "1", "--output", str(out)])
     assert rc == 0
     rows = json.loads(out.read_text())["results"]
-    assert {r["method"] for r in rows} == {"none", "self-extend", "rerope", "lm-infinite", "string"}
+    assert {r["method"] for r in rows} == {"none", "self-extend", "dca", "rerope", "lm-infinite", "string"}
     assert all(r["ppl"] and r["ppl"] > 1 for r in rows)

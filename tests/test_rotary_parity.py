@@ -126,3 +126,30 @@ def test_pi_divides_every_frequency():
     original = module.inv_freq.clone()
     ctxext.patch(model, "pi", 4)
     torch.testing.assert_close(module.inv_freq, original / 4, atol=0, rtol=1e-7)
+
+
+@pytest.mark.parametrize("method,factor,options,reference",
+                         [c for c in TRANSFORMERS_EQUIVALENTS if c[0] != "dynamic-ntk"])
+def test_a_model_cast_to_bfloat16_patches_bit_for_bit_like_the_native_rope_type(method, factor, options, reference):
+    """``model.to(torch.bfloat16)`` rounds the rotary buffers too: the patch still recognises plain RoPE, scales the
+    float32 frequencies and gives exactly what the native rope type gives after the same cast."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = _reference(model, reference).to(torch.bfloat16)(ids).logits
+        ctxext.patch(model.to(torch.bfloat16), method, factor, **options)
+        assert torch.equal(model(ids).logits, expected)
+
+
+def test_a_bfloat16_model_at_factor_1_and_after_unpatch_is_unchanged():
+    model = tiny_llama().to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+        ctxext.patch(model, "yarn", 1.0)
+        assert torch.equal(model(ids).logits, before)
+        ctxext.unpatch(model)
+        ctxext.patch(model, "ntk", 4.0)
+        assert not torch.equal(model(ids).logits, before)
+        ctxext.unpatch(model)
+        assert torch.equal(model(ids).logits, before)

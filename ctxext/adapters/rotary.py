@@ -66,20 +66,28 @@ def rope_inputs(name: str, module: nn.Module, original_length: int) -> rope.Rope
             f"rotary module {name or '<root>'} already uses transformers rope_type {module.rope_type!r}; ctxext "
             "methods start from plain RoPE. Load the model with rope_parameters rope_type='default' to patch it."
         )
-    inv_freq = module.original_inv_freq.detach().float()
+    stored = module.original_inv_freq.detach()
+    inv_freq = stored.float()
     dim = 2 * inv_freq.numel()
     bases = _rope_thetas(module)
     if not bases or dim < 4:
         raise PatchError(f"rotary module {name or '<root>'} has no rope_theta or too few dimensions ({dim})")
-    # Guard against a rotary module of the same shape but another frequency formula.
+    # Guard against a rotary module of the same shape but another frequency formula. A model cast with
+    # ``.to(torch.bfloat16)`` (or .half()) rounds the buffer too, so the check allows that dtype's rounding.
+    rtol = max(1e-4, torch.finfo(stored.dtype).eps)
     exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
-    matching = [b for b in bases if torch.allclose(inv_freq.cpu().double(), 1.0 / (b**exponents), rtol=1e-4, atol=0)]
+    matching = [b for b in bases if torch.allclose(inv_freq.cpu().double(), 1.0 / (b**exponents), rtol=rtol, atol=0)]
     base = matching[0] if matching else bases[0]
     if not matching:
         raise PatchError(
             f"rotary module {name or '<root>'}: inv_freq does not follow base**(-2i/d) with rope_theta={base}; "
             "ctxext does not know this rotary variant"
         )
+    if stored.dtype != torch.float32:
+        # Scale the float32 frequencies transformers builds (as its default rope init computes them), not the
+        # rounded ones: the patched buffer is then what a model built with the native rope type and cast the same
+        # way holds. Writing it back into the low-precision buffer rounds it again.
+        inv_freq = 1.0 / (float(base) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     return rope.RopeInputs(inv_freq=inv_freq.cpu(), base=float(base), dim=dim, original_length=int(original_length))
 
 
@@ -170,6 +178,7 @@ class RotaryAdapter(Adapter):
         "nope": "yes: rotary off (identity rotation)",
         # attention-side position remapping (ctxext.adapters.remap): rotary off, q and k rotated per pair
         "self-extend": "yes: grouped positions beyond a window",
+        "dca": "yes: chunked positions (intra / successive / inter-chunk)",
         "rerope": "yes: distance clipped at a window",
         "lm-infinite": "yes: Lambda mask + distance cap",
         "string": "yes: large distances shifted down",

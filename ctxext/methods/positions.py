@@ -28,7 +28,7 @@ def interpolate_table(weight: torch.Tensor, factor: float) -> torch.Tensor:
     """PI for a learned table: row j = original table at position j / factor (linear interpolation)."""
     n = weight.shape[0]
     rows = table_rows(n, factor)
-    source = weight.detach().to(torch.float64)
+    source = weight.detach().to(device="cpu", dtype=torch.float64)  # a small table; float64 is not on every device
     position = torch.arange(rows, dtype=torch.float64) / float(factor)
     position = position.clamp(max=n - 1)
     low = position.floor().long()

@@ -1,4 +1,4 @@
-"""Attention-side position remapping as pure position maps: Self-Extend, ReRoPE, LM-Infinite, STRING.
+"""Attention-side position remapping as pure position maps: Self-Extend, DCA, ReRoPE, LM-Infinite, STRING.
 
 A rotary model scores a query at position i against a key at position j with ``R(i) q . R(j) k``, which only
 depends on the relative position ``i - j``. The training-free methods here change which relative position each
@@ -12,7 +12,9 @@ distances further away. A ``PositionMap`` says that in a form attention can run 
 so that ``score(i, j) = (R(qpos_c(i)) q_i) . (R(kpos_c(j)) k_j)`` with ``c = select(i, j)``. Positions are absolute
 token positions (0 = the first real token of a row); rotary positions may be floats. ``near`` says that every pair
 with ``0 <= i - j < near`` uses rotation 0, whose positions are the true ones: attention over such pairs only is
-plain RoPE attention (the fast path). ``query_scale`` optionally multiplies each query (ReRoPE's log-length scaling).
+plain RoPE attention (the fast path); ``plain_below`` says the same of every pair whose query position is below it
+(DCA: the first chunk and the local window after it). ``query_scale`` optionally multiplies each query (ReRoPE's
+log-length scaling).
 
 Why this form: with K small (2 for every method here) a chunk of queries costs K score matmuls and a select,
 never a per-pair rotation; and a rotation's query and key positions only depend on i and j respectively, so keys
@@ -76,6 +78,8 @@ class PositionMap:
     query_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
     #: the resolved options (defaults filled in), for the patch spec
     options: dict[str, Any] = field(default_factory=dict)
+    #: every pair (0 <= j <= i) whose query position i is below this uses rotations[0] (0: no such promise)
+    plain_below: float = 0
 
     @property
     def is_identity(self) -> bool:
@@ -186,6 +190,77 @@ def self_extend(original_length: int, factor: float | None = None, group: int | 
     far = Rotation(query=lambda i: torch.div(i, group, rounding_mode="floor") + shift,
                    key=lambda j: torch.div(j, group, rounding_mode="floor"))
     return PositionMap(method, (IDENTITY, far), _window_select(window), window, None, options)
+
+
+# --------------------------------------------------------------------------------------- Dual Chunk Attention
+
+
+def dca(original_length: int, factor: float | None = None, chunk_size: int | None = None,
+        local_window: int | None = None) -> PositionMap:
+    """Dual Chunk Attention (An et al. 2024, "Training-Free Long-Context Scaling of Large Language Models", ICML;
+    HKUNLP/ChunkLlama), as the paper defines it (Section 3, Eqs. 2-8).
+
+    With c the pretraining length (``original_length``), s the chunk size and w the local window, keys sit at
+    ``P_k[j] = j mod s`` and the query at i takes one of three positions by how many chunks lie between it and
+    the key (chunk = position // s):
+
+    - same chunk (intra-chunk): ``P_q^Intra[i] = i mod s``;
+    - the chunk before (successive-chunk): ``P_q^Succ[i] = s + (i mod s)`` if ``i mod s < w``, else ``c - 1``;
+    - further back (inter-chunk): ``P_q^Inter[i] = c - 1``.
+
+    All pairs share one softmax (Eq. 9). As a map this is two rotations, exactly: an intra-chunk pair sees
+    ``(i mod s) - (j mod s) = i - j`` and a successive-chunk pair with ``i mod s < w`` sees
+    ``s + (i mod s) - (j mod s) = i - j``, both their true distance (rotation 0, the identity); every other pair
+    sees ``c - 1 - (j mod s)`` (rotation 1: query at ``c - 1``, key at ``j mod s``). Relative positions stay
+    below c as long as ``s < c`` and ``w <= c - s`` (successive positions up to ``s + w - 1 <= c - 1``).
+
+    Defaults: the paper's ``s = 3/4 c`` (3072 for Llama 2's 4096) and ``w = c - s`` (Section 3.3: "can be
+    directly set to the difference between pretraining length and chunk size"); given only s, ``w =
+    min(s, c - s)``. With ``s >= c / 2`` and ``w = c - s`` the map is the unpatched model up to c tokens (no
+    query before c is two chunks from a key or past the local window), so the defaults cost nothing there; the
+    factor only sets the advertised length, as DCA reaches any length. ``w = 0`` leaves out successive-chunk
+    attention (the paper's intra + inter ablation). (The reference code, ``replace_with_chunkllama(c)``,
+    parametrises differently: its ``chunk_size = 3c/4`` bounds the positions and its chunks are
+    ``3c/4 - c/8`` long; that is this map with ``s = 5c/8``, ``w = c/8 + 1`` and the inter-chunk query at ``3c/4``
+    instead of ``c - 1``.)
+    """
+    method = "dca"
+    c = int(original_length)
+    if chunk_size is None:
+        chunk_size = max(1, (3 * c) // 4)
+    s = _int(method, "chunk_size", chunk_size)
+    if s >= c:
+        raise PatchError(
+            f"option chunk_size={s} of method {method!r} must be < the trained length {c} (the paper's "
+            f"inter-chunk query position c - 1 must lie past every key position j mod chunk_size); default 3/4 "
+            f"of it, {max(1, (3 * c) // 4)}"
+        )
+    w = min(s, c - s) if local_window is None else _int(method, "local_window", local_window, minimum=0)
+    if w > s and s < c - s:
+        raise PatchError(
+            f"option local_window={w} of method {method!r} is larger than needed: it counts query offsets within a "
+            f"chunk of chunk_size={s}, so local_window <= {s}"
+        )
+    if w > c - s:
+        raise PatchError(
+            f"option local_window={w} of method {method!r} puts successive-chunk queries at chunk_size + "
+            f"local_window - 1 = {s + w - 1}, past the trained positions (< {c}): pass local_window <= "
+            f"{c - s} (= trained length - chunk_size, the paper's setting)"
+        )
+    options = {"chunk_size": s, "local_window": w}
+    inter = c - 1
+
+    far = Rotation(query=lambda i: torch.full_like(i, inter), key=lambda j: torch.remainder(j, s))
+
+    def select(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        ci = torch.div(i, s, rounding_mode="floor")
+        cj = torch.div(j, s, rounding_mode="floor")
+        local = (ci == cj) | ((ci - cj == 1) & (torch.remainder(i, s) < w))
+        return torch.where(local, 0, 1).to(torch.int8)
+
+    # pairs at distance <= w never cross two chunk boundaries (w <= s) and, crossing one, have i mod s < w;
+    # queries before s + w are in the first chunk or within the window of the second
+    return PositionMap(method, (IDENTITY, far), select, w + 1, None, options, plain_below=s + w)
 
 
 # ------------------------------------------------------------------------------------------------------ ReRoPE
@@ -314,6 +389,7 @@ def string(original_length: int, factor: float | None = None, shift: int | None 
 #: method name -> position-map builder(original_length, factor, **options)
 MAPS: dict[str, Callable[..., PositionMap]] = {
     "self-extend": self_extend,
+    "dca": dca,
     "rerope": rerope,
     "lm-infinite": lm_infinite,
     "string": string,
@@ -339,6 +415,7 @@ __all__ = [
     "PositionMap",
     "Rotation",
     "build_map",
+    "dca",
     "identity_map",
     "lm_infinite",
     "rerope",
@@ -367,6 +444,19 @@ REMAP_METHODS: dict[str, Method] = {
             options={
                 "group": Option(None, int, "group size G (1 = unpatched); " + _DERIVED, optional=True),
                 "window": Option(None, int, "neighbour window W; default original length / 4", optional=True),
+            },
+        ),
+        Method(
+            "dca",
+            "Dual Chunk Attention (ChunkLlama): keys at position mod chunk size; intra-chunk, successive-chunk "
+            "(local window) and inter-chunk query positions, one softmax (factor optional: the length to advertise)",
+            needs_factor=False,
+            scales_with_factor=True,
+            options={
+                "chunk_size": Option(None, int, "chunk size s < original length; default 3/4 of the original "
+                                     "length", optional=True),
+                "local_window": Option(None, int, "local window w <= min(s, original - s) (0 = no successive-chunk "
+                                       "attention); default min(s, original length - s)", optional=True),
             },
         ),
         Method(

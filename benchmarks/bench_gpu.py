@@ -1,0 +1,140 @@
+"""Cost of each patch on CUDA: forward time and peak GPU memory vs plain sdpa, on the small benchmark LLaMA
+(trained length 1024), in bfloat16, at 4k, 16k and 32k tokens.
+
+    python benchmarks/bench_gpu.py [--lengths 4096,16384,32768] [--dtype bfloat16] [--runs 5]
+                                   [--variants sdpa,flex,yarn,alibi,self-extend,...]
+                                   [--out benchmarks/results/gpu_cost.json]
+
+Every variant gets a fresh model with the same weights (factor = length / 1024, each method's defaults; ``string``
+with its in-length defaults). One warm-up pass, then ``--runs`` timed passes (``torch.cuda.synchronize`` around
+each) under ``torch.no_grad`` with ``logits_to_keep=1``; the median is reported. Memory is the peak of
+``torch.cuda.max_memory_allocated`` during the passes minus what the model holds before them. Ratios are taken
+against ``sdpa`` at the same length in the same run. ``flex`` is the unpatched model with transformers'
+``flex_attention`` implementation, for comparison. Needs a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from common import small_llama_config
+
+L0 = 1024
+VARIANTS = ["sdpa", "flex", "yarn", "alibi", "self-extend", "rerope", "lm-infinite", "string", "dca"]
+
+
+def build(variant: str, length: int, dtype):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import ctxext
+    from ctxext.registry import METHODS
+
+    config = small_llama_config(L0)
+    if variant == "flex":
+        config["attn_implementation"] = "flex_attention"
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config)).eval().to("cuda", dtype)
+    if variant not in ("sdpa", "flex"):
+        if variant not in METHODS:
+            return None
+        ctxext.patch(model, variant, factor=None if variant == "string" else length / L0)
+    return model
+
+
+def measure(variant: str, length: int, dtype, runs: int) -> dict | None:
+    import torch
+
+    from ctxext.errors import PatchError
+
+    try:
+        model = build(variant, length, dtype)
+    except PatchError as err:
+        print(f"skipped {variant}: {err}", file=sys.stderr)
+        return None
+    if model is None:
+        return None
+    ids = torch.randint(0, 4096, (1, length), generator=torch.Generator().manual_seed(1)).to("cuda")
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    times = []
+    with torch.no_grad():
+        for i in range(runs + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            torch.cuda.synchronize()
+            if i:
+                times.append(time.perf_counter() - start)
+    peak = torch.cuda.max_memory_allocated() - held
+    del model
+    torch.cuda.empty_cache()
+    return {"variant": variant, "length": length, "seconds": statistics.median(times),
+            "peak_mib": round(peak / 2**20, 1)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lengths", default="4096,16384,32768")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu_cost.json"))
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench_gpu.py needs a CUDA device", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.dtype)
+    rows = []
+    for length in [int(x) for x in args.lengths.split(",")]:
+        base = None
+        for variant in args.variants.split(","):
+            try:
+                row = measure(variant, length, dtype, args.runs)
+            except torch.OutOfMemoryError as err:
+                row = {"variant": variant, "length": length, "error": f"out of memory: {str(err)[:80]}"}
+                torch.cuda.empty_cache()
+            if row is None:
+                continue
+            if variant == "sdpa":
+                base = row
+            if base and "error" not in row:
+                row["time_ratio"] = round(row["seconds"] / base["seconds"], 2)
+                row["memory_ratio"] = round(row["peak_mib"] / base["peak_mib"], 2) if base["peak_mib"] else None
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    print(f"\n{'variant':<13}{'length':>8}{'ms':>10}{'time x':>8}{'peak MiB':>10}{'mem x':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:<13}{r['length']:>8}  {r['error']}")
+            continue
+        print(f"{r['variant']:<13}{r['length']:>8}{1000 * r['seconds']:>10.1f}{r.get('time_ratio', 0):>8.2f}"
+              f"{r['peak_mib']:>10.1f}{r.get('memory_ratio') or 0:>7.2f}")
+    out = {
+        "benchmark": "bench_gpu",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()},
+        "dtype": args.dtype,
+        "runs": args.runs,
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
