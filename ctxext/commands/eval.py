@@ -354,9 +354,14 @@ def _show(args, demo: bool, store, rows, outcome, document, written) -> None:
     """Tables on stdout, file names on stderr, and the plot (only beside results this run wrote)."""
     from ..evaluation import report
 
+    from ..evaluation.verdict import format_verdicts
+
     table = report.format_report(rows, outcome.models, document["protocol"])
     if table:
         print(table)
+    verdict = format_verdicts(rows, outcome.models)
+    if verdict:
+        print("\n" + verdict)
     if written is None:
         print("\nno results written: nothing finished in this run", file=sys.stderr)
         return

@@ -60,6 +60,21 @@ def format_report(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any
     return "\n\n".join(parts)
 
 
+MARKERS = ["s", "^", "v", "D", "P", "X", "<", ">", "h", "*", "p", "d"]
+LINESTYLES = ["-", "-.", ":", (0, (5, 1)), (0, (3, 1, 1, 1, 1, 1))]
+PALETTE = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+           "tab:cyan", "tab:gray"]
+
+
+def cannot_run(rows: Sequence[dict[str, Any]]) -> dict[str, list[int]]:
+    """Per method label, the lengths the model cannot run at (e.g. past a learned position table)."""
+    out: dict[str, list[int]] = {}
+    for r in rows:
+        if r.get("not_applicable"):
+            out.setdefault(r["label"], []).append(int(r["length"]))
+    return {label: sorted(v) for label, v in out.items()}
+
+
 def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path: str | Path, *, title: str = "") -> Path:
     """PNG of perplexity vs length, one line per method, one panel per model; training length marked."""
     import matplotlib
@@ -71,14 +86,25 @@ def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path:
     models = [m for m in models if any(r.get("model") == m["label"] and r.get("kind", "ppl") == "ppl" for r in rows)]
     if not models:
         raise ValueError("nothing to plot: no perplexity results")
-    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(6.6 * len(models), 4.4), squeeze=False)
     for ax, model in zip(axes[0], models):
-        mine = [r for r in rows if r.get("model") == model["label"] and r.get("kind", "ppl") == "ppl" and r.get("ppl")]
-        for label in _labels(mine):
-            pts = sorted((int(r["length"]), r["ppl"]) for r in mine if r["label"] == label)
-            unpatched = label == "none"  # drawn on top: the baseline every method is read against
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label, linestyle="--" if unpatched else "-",
-                    color="black" if unpatched else None, zorder=3 if unpatched else 2, linewidth=2 if unpatched else 1.5)
+        mine = [r for r in rows if r.get("model") == model["label"] and r.get("kind", "ppl") == "ppl"]
+        drawn = [r for r in mine if r.get("ppl")]
+        for k, label in enumerate(_labels(drawn)):
+            pts = sorted((int(r["length"]), r["ppl"]) for r in drawn if r["label"] == label)
+            # the baseline every method is read against: thick, grey-black, *under* the methods, so a method equal
+            # to it (extrapolate) stays visible on top
+            unpatched = label == "none"
+            style = {"color": "black", "alpha": 0.55, "linestyle": "-", "marker": "o", "linewidth": 3.5,
+                     "zorder": 1} if unpatched else {
+                "color": PALETTE[k % len(PALETTE)], "linestyle": LINESTYLES[k % len(LINESTYLES)],
+                "marker": MARKERS[k % len(MARKERS)], "linewidth": 1.5, "zorder": 2,
+                "markerfacecolor": "none" if k % 2 else None}  # hollow and filled alternate: equal lines stay visible
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, markersize=6, **style)
+        for label, lengths_out in cannot_run(mine).items():  # e.g. GPT-2 unpatched past its position table
+            ax.plot(lengths_out, [0.96] * len(lengths_out), linestyle="none", marker="x", color="black"
+                    if label == "none" else "tab:red", markersize=8, transform=ax.get_xaxis_transform(), clip_on=False,
+                    label=f"{label}: cannot run")
         trained = model.get("original_length")
         lengths = sorted({int(r["length"]) for r in mine})
         ax.set_xscale("log", base=2)
@@ -99,7 +125,7 @@ def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path:
         ax.set_ylabel("perplexity (log scale)")
         ax.set_title(model.get("title") or model["label"], fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="best", framealpha=0.8)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0, frameon=False)
     if title:  # wrapped to the figure's width, so a one-panel plot does not cut it off
         import textwrap
 
@@ -107,6 +133,6 @@ def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # keeps the legends outside the axes in the picture
     plt.close(fig)
     return path

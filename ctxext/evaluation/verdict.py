@@ -1,0 +1,118 @@
+"""One plain sentence per model, computed from a run's rows: does the unpatched model hold past its trained
+length, and which method holds best.
+
+Everything is read against the unpatched model at its trained length (1x): ``x3.4`` means 3.4 times that
+perplexity. Last-quarter perplexity is used where the rows have it (it scores only targets far into each window,
+where position matters), plain perplexity otherwise. Passkey accuracy, where measured, is added in the same way.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+#: Perplexity ratios (vs unpatched at 1x) from which the unpatched model "fails" / "degrades".
+FAILS = 2.0
+DEGRADES = 1.3
+#: The multiple of the trained length a verdict is stated at, when the run has it (else its longest length).
+HEADLINE_MULTIPLE = 4
+
+
+def _metric(rows) -> str:
+    return "ppl_last_quarter" if any(r.get("ppl_last_quarter") is not None for r in rows) else "ppl"
+
+
+def _multiple(length: int, trained: int) -> str:
+    m = length / trained
+    return f"{m:g}x"
+
+
+def _perplexity_verdict(label: str, rows: list[dict[str, Any]], trained: int) -> str | None:
+    field = _metric(rows)
+    what = "last-quarter perplexity" if field == "ppl_last_quarter" else "perplexity"
+    value = {(r["label"], int(r["length"])): r.get(field) for r in rows if not r.get("not_applicable")}
+    cannot = {(r["label"], int(r["length"])) for r in rows if r.get("not_applicable")}
+    base = value.get(("none", trained))
+    if base is None or base <= 0:
+        return None
+    longer = sorted({int(r["length"]) for r in rows if int(r["length"]) > trained})
+    if not longer:
+        return None
+    headline = trained * HEADLINE_MULTIPLE if trained * HEADLINE_MULTIPLE in longer else longer[-1]
+    at = f"at {headline} = {_multiple(headline, trained)}"
+
+    parts = []
+    unpatched_cannot = [n for n in longer if ("none", n) in cannot]
+    if unpatched_cannot:
+        parts.append(f"unpatched cannot run past {max([trained] + [n for n in longer if n < unpatched_cannot[0]])} "
+                     "positions")
+    else:
+        ratios = {n: value[("none", n)] / base for n in longer if value.get(("none", n)) is not None}
+        if headline in ratios:
+            r = ratios[headline]
+            first_fail = next((n for n in sorted(ratios) if ratios[n] >= FAILS), None)
+            if first_fail is not None and r >= FAILS:
+                before = max([trained] + [n for n in longer if n < first_fail])
+                parts.append(f"unpatched fails past {before} ({what} x{r:.1f} {at})")
+            elif r >= DEGRADES:
+                parts.append(f"unpatched degrades ({what} x{r:.1f} {at})")
+            else:
+                parts.append(f"unpatched holds (x{r:.2f} {at}, x{ratios[longer[-1]]:.2f} at {longer[-1]})"
+                             if longer[-1] in ratios else f"unpatched holds (x{r:.2f} {at})")
+
+    patched = {lab: v for (lab, n), v in value.items() if n == headline and lab != "none" and v is not None}
+    if patched:
+        best = min(patched, key=patched.get)
+        r = patched[best] / base
+        unpatched_here = value.get(("none", headline))
+        if unpatched_here is not None and patched[best] >= unpatched_here:
+            parts.append(f"no method beats unpatched {at} (best: {best} x{r:.2f})")
+        else:
+            holds = "holds" if r < DEGRADES else "is best"
+            parts.append(f"{best} {holds} (x{r:.2f} {at})")
+    if not parts:
+        return None
+    return f"{label}: " + "; ".join(parts)
+
+
+def _passkey_verdict(rows: list[dict[str, Any]], trained: int) -> str | None:
+    acc = {(r["label"], int(r["length"])): r.get("accuracy") for r in rows if r.get("accuracy") is not None}
+    if not acc:
+        return None
+    lengths = sorted({n for _, n in acc})
+    longest = lengths[-1]
+    parts = []
+    if ("none", longest) in acc:
+        start = acc.get(("none", min(lengths)))
+        parts.append(f"unpatched {100 * start:.0f}% at {min(lengths)} -> {100 * acc[('none', longest)]:.0f}% at "
+                     f"{longest}" if start is not None else f"unpatched {100 * acc[('none', longest)]:.0f}% at {longest}")
+    patched = {lab: a for (lab, n), a in acc.items() if n == longest and lab != "none"}
+    if patched:
+        best = max(patched, key=patched.get)
+        parts.append(f"best {best} {100 * patched[best]:.0f}%")
+    return "passkey " + ", ".join(parts) if parts else None
+
+
+def verdicts(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]]) -> list[str]:
+    """One sentence per model that has an unpatched row at its trained length and longer rows."""
+    out = []
+    for model in models:
+        trained = model.get("original_length")
+        if not trained:
+            continue
+        mine = [r for r in rows if r.get("model") == model["label"]]
+        sentence = _perplexity_verdict(model["label"], [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
+        passkey = _passkey_verdict([r for r in mine if r.get("kind") == "passkey"], int(trained))
+        if sentence and passkey:
+            sentence += f"; {passkey}"
+        elif passkey:
+            sentence = f"{model['label']}: {passkey}"
+        if sentence:
+            out.append(sentence)
+    return out
+
+
+def format_verdicts(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]]) -> str:
+    lines = verdicts(rows, models)
+    if not lines:
+        return ""
+    return "\n".join(["verdict (x = times the unpatched model's value at its trained length):"] + [f"  {s}" for s in lines])

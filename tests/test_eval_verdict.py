@@ -1,0 +1,63 @@
+"""The demo's verdict sentences and plot marks come from the numbers of the rows, never from fixed text."""
+
+from __future__ import annotations
+
+from ctxext.evaluation.report import cannot_run, plot
+from ctxext.evaluation.verdict import format_verdicts, verdicts
+
+MODELS = [{"label": "llama", "original_length": 256}, {"label": "gpt2", "original_length": 256},
+          {"label": "bloom", "original_length": 256}]
+
+
+def _rows(model, label, values, lengths=(256, 512, 1024, 2048), field="ppl_last_quarter"):
+    out = []
+    for n, v in zip(lengths, values):
+        row = {"kind": "ppl", "model": model, "label": label, "length": n, "ppl": v}
+        if v is None:
+            row["not_applicable"] = "the position table has 256 rows"
+        elif field:
+            row[field] = v
+        out.append(row)
+    return out
+
+
+def test_sentences_follow_the_numbers():
+    rows = (_rows("llama", "none", [100, 150, 340, 900]) + _rows("llama", "yarn x8", [120, 115, 110, 125])
+            + _rows("llama", "pi x8", [200, 190, 180, 185])
+            + _rows("gpt2", "none", [160, None, None, None]) + _rows("gpt2", "pi x8", [159, 149, 145, 153])
+            + _rows("bloom", "none", [130, 125, 118, 122]) + _rows("bloom", "nope", [226, 221, 216, 228]))
+    got = verdicts(rows, MODELS)
+    assert got == [
+        "llama: unpatched fails past 512 (last-quarter perplexity x3.4 at 1024 = 4x); yarn x8 holds (x1.10 at 1024 = 4x)",
+        "gpt2: unpatched cannot run past 256 positions; pi x8 holds (x0.91 at 1024 = 4x)",
+        "bloom: unpatched holds (x0.91 at 1024 = 4x, x0.94 at 2048); no method beats unpatched at 1024 = 4x "
+        "(best: nope x1.66)",
+    ]
+    assert format_verdicts(rows, MODELS).splitlines()[0].startswith("verdict")
+
+
+def test_other_numbers_give_other_sentences():
+    rows = _rows("llama", "none", [100, 110, 150, 300]) + _rows("llama", "yarn x8", [120, 130, 140, 200])
+    assert verdicts(rows, MODELS[:1]) == [
+        "llama: unpatched degrades (last-quarter perplexity x1.5 at 1024 = 4x); yarn x8 is best (x1.40 at 1024 = 4x)"]
+    rows = _rows("llama", "none", [100, 230, 250, 300], field=None)  # no last-quarter values: whole-window perplexity
+    assert verdicts(rows, MODELS[:1]) == ["llama: unpatched fails past 256 (perplexity x2.5 at 1024 = 4x)"]
+
+
+def test_no_sentence_without_a_baseline_at_the_trained_length():
+    rows = _rows("llama", "yarn x8", [120, 115, 110, 125])
+    assert verdicts(rows, MODELS) == [] and format_verdicts(rows, MODELS) == ""
+
+
+def test_passkey_is_added():
+    rows = _rows("llama", "none", [100, 110, 120, 130])
+    rows += [{"kind": "passkey", "model": "llama", "label": lab, "length": n, "accuracy": a}
+             for lab, n, a in (("none", 256, 1.0), ("none", 1024, 0.1), ("yarn x8", 1024, 0.8))]
+    assert verdicts(rows, MODELS[:1])[0].endswith("; passkey unpatched 100% at 256 -> 10% at 1024, best yarn x8 80%")
+
+
+def test_plot_marks_lengths_a_model_cannot_run(tmp_path):
+    rows = _rows("gpt2", "none", [160, None, None, None]) + _rows("gpt2", "pi x8", [159, 149, 145, 153])
+    assert cannot_run(rows) == {"none": [512, 1024, 2048]}
+    path = plot(rows, MODELS[1:2], tmp_path / "p.png")
+    assert path.stat().st_size > 10_000
