@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
 from .adapters import ADAPTERS, find_adapter
-from .adapters.base import Restore
+from .adapters.base import Restore, run_all
 from .adapters.rotary import dynamic_hooks
 from .errors import PatchError
 from .registry import METHODS, resolve_method, validate_factor, validate_options
-from .spec import CONFIG_KEY, PatchSpec, install_save_mark, unmark_live_config
+from .spec import CONFIG_KEY, SAVED_AS_KEY, PatchSpec, install_save_mark, unmark_live_config
 
 # Attribute on the model holding the live patch (spec + how to undo it). Not saved; the spec is, in config.
 _ACTIVE = "_ctxext_active"
@@ -127,6 +128,9 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, replace
     config = model.config
     config_before = {adapter.length_attr: getattr(config, adapter.length_attr, _MISSING)} if adapter.length_attr else {}
     restore = adapter.apply(model, spec)
+    from .export import install_save_hook  # imports this module
+
+    restore = functools.partial(run_all, [restore, install_save_hook(model)])
     if adapter.length_attr and spec.patched_length is not None:
         setattr(config, adapter.length_attr, spec.patched_length)
     setattr(config, CONFIG_KEY, spec.to_dict())
@@ -157,6 +161,11 @@ def take_saved_spec(model: nn.Module) -> PatchSpec | None:
         return None
     if not isinstance(saved, dict):
         raise PatchError(f"config.{CONFIG_KEY} should be a saved ctxext patch spec (a dict), got {saved!r}")
+    if saved.get(SAVED_AS_KEY) == "native":
+        # a native export loaded by plain transformers: the model *is* its config (e.g. rope type yarn, a resized
+        # wpe); the record of how it was made goes, nothing is re-applied (ctxext.from_pretrained re-applies it)
+        delattr(model.config, CONFIG_KEY)
+        return None
     unmark_live_config(model.config)  # a marked config.json loaded without ctxext (a class-specific load)
     spec = PatchSpec.from_dict(dict(getattr(model.config, CONFIG_KEY)))
     delattr(model.config, CONFIG_KEY)

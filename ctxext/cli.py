@@ -15,6 +15,7 @@ COMMAND_MODULES = [
     "ctxext.commands.eval",
     "ctxext.commands.lm_eval",
     "ctxext.commands.finetune",
+    "ctxext.commands.export",
 ]
 
 

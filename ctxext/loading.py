@@ -10,7 +10,7 @@ from torch import nn
 from .api import patch, take_saved_spec
 from .errors import PatchError
 from .sources import check_source
-from .spec import CONFIG_KEY, PatchSpec, unmark_config_dict
+from .spec import CONFIG_KEY, TENSORS_KEY, PatchSpec, is_native, unmark_config_dict
 
 
 def auto_tokenizer(source: Any, **kwargs: Any):
@@ -71,20 +71,32 @@ def _saved_config_dict(pretrained: Any, kwargs: dict[str, Any]) -> dict[str, Any
     return config_dict if isinstance(config_dict.get(CONFIG_KEY), dict) else None
 
 
-def _config_from_saved(pretrained: Any, config_dict: dict[str, Any], kwargs: dict[str, Any]):
-    """The config of a checkpoint saved patched, as the model had it *before* the patch (save mark undone, the
-    advertised length back to the original: GPT-2 sizes its position table from it, and the checkpoint holds the
-    original table), with the spec still recorded under ``config.ctxext``. Returns ``(config, unused_kwargs)``,
-    as ``AutoConfig.from_pretrained(..., return_unused_kwargs=True)`` does."""
+def _holds_replaced_tensors(config_dict: dict[str, Any]) -> bool:
+    """A native export whose weights are the patched ones (GPT-2's resized table), the originals beside them."""
+    return is_native(config_dict) and bool(config_dict[CONFIG_KEY].get(TENSORS_KEY))
+
+
+def _config_from_saved(pretrained: Any, config_dict: dict[str, Any], kwargs: dict[str, Any], *,
+                       as_saved: bool = False):
+    """The config of a checkpoint saved patched, as the model had it *before* the patch (save mark or native form
+    undone, the advertised length back to the original: GPT-2 sizes its position table from it, and the checkpoint
+    holds the original table), with the spec still recorded under ``config.ctxext``. ``as_saved``: the config as
+    written (a native export whose weights were replaced loads as saved; ``ctxext.export`` then puts the originals
+    back). Returns ``(config, unused_kwargs)``, as ``AutoConfig.from_pretrained(..., return_unused_kwargs=True)``
+    does."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from .adapters import ADAPTERS
 
-    data = unmark_config_dict(dict(config_dict))
-    spec = PatchSpec.from_dict(data[CONFIG_KEY])
-    adapter = next((a for a in ADAPTERS if a.family == spec.family), None)
-    if adapter is not None and adapter.length_attr and spec.original_length is not None:
-        data[adapter.length_attr] = spec.original_length
+    if as_saved:
+        data = dict(config_dict)
+        data[CONFIG_KEY] = PatchSpec.from_dict(data[CONFIG_KEY]).to_dict()
+    else:
+        data = unmark_config_dict(dict(config_dict))
+        spec = PatchSpec.from_dict(data[CONFIG_KEY])
+        adapter = next((a for a in ADAPTERS if a.family == spec.family), None)
+        if adapter is not None and adapter.length_attr and spec.original_length is not None:
+            data[adapter.length_attr] = spec.original_length
     model_type = data.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise OSError(
@@ -146,9 +158,15 @@ def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: An
     try:
         saved = _saved_config_dict(pretrained, kwargs)
         if saved is not None:
-            config, unused = _config_from_saved(pretrained, saved, kwargs)
+            as_saved = _holds_replaced_tensors(saved)
+            config, unused = _config_from_saved(pretrained, saved, kwargs, as_saved=as_saved)
             load_kwargs = {k: v for k, v in kwargs.items() if k in _HUB_KWARGS or k in _MODEL_ONLY_KWARGS}
             model = AutoModelForCausalLM.from_pretrained(pretrained, config=config, **load_kwargs, **unused)
+            if as_saved:
+                from .export import restore_original_tensors
+
+                hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+                restore_original_tensors(model, pretrained, saved[CONFIG_KEY], hub)
         else:
             model = AutoModelForCausalLM.from_pretrained(pretrained, **kwargs)
     except OSError as exc:

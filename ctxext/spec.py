@@ -1,6 +1,9 @@
 """The patch spec: what `patch()` did, recorded on the model config so it can be saved and reloaded.
 
-A config that records a spec is written to JSON *marked* (principle 9: a patched checkpoint never loads silently
+Where the patch has an exact transformers-native form, ``model.save_pretrained`` writes that form instead
+(``ctxext.export``): the native config values (e.g. rope type ``yarn``) at the top level, plain transformers loads
+the patched model, and the spec block says ``"saved_as": "native"`` and keeps the values it replaced. Otherwise a
+config that records a spec is written to JSON *marked* (principle 9: a patched checkpoint never loads silently
 different). ``config.json`` of a patched model carries ``model_type: "<type> patched by ctxext: load it with
 ctxext.from_pretrained(path)"``, which transformers' ``AutoConfig`` / ``AutoModel*`` / pipelines (and serving engines
 that read ``config.json``) refuse, naming ``ctxext.from_pretrained`` in their error; a rotary config also gets that
@@ -26,6 +29,15 @@ CONFIG_KEY = "ctxext"
 REPLACED_KEY = "replaced_on_save"
 #: What a user who loads a saved patched model with plain transformers is told.
 LOAD_HINT = "load it with ctxext.from_pretrained(path)"
+#: Key in the live spec block, present only while ``model.save_pretrained`` writes the patch's native form
+#: (``ctxext.export``): the top-level config values to write instead of marking the config.
+NATIVE_KEY = "native"
+#: Key in the saved spec block of a native export whose weights differ from the original model's (GPT-2's resized
+#: table): the file beside the weights holding the tensors they replaced.
+TENSORS_KEY = "native_tensors"
+#: Key in the saved spec block: ``"native"`` where the checkpoint was written in its native form (plain transformers
+#: loads it as the patched model); absent where it was marked.
+SAVED_AS_KEY = "saved_as"
 
 
 @dataclass(frozen=True)
@@ -69,12 +81,36 @@ def is_marked(config_dict: dict[str, Any]) -> bool:
     return isinstance(block, dict) and REPLACED_KEY in block
 
 
-def mark_config_dict(config_dict: dict[str, Any]) -> dict[str, Any]:
-    """The serialized config of a patched model, marked so that plain transformers refuses to load it.
-    A dict without a spec block is returned unchanged."""
+def is_native(config_dict: dict[str, Any]) -> bool:
+    """A config.json written in the patch's native form (plain transformers loads it as the patched model)."""
+    block = config_dict.get(CONFIG_KEY)
+    return isinstance(block, dict) and block.get(SAVED_AS_KEY) == "native"
+
+
+def native_config_dict(config_dict: dict[str, Any], live: dict[str, Any]) -> dict[str, Any]:
+    """The serialized config of a patched model in its native form: the block's ``NATIVE_KEY`` values written at
+    the top level, the values they replaced (``live``: the live config's) kept in ``replaced_on_save`` so that
+    ``ctxext.from_pretrained`` re-applies the patch from the original config."""
+    data = dict(config_dict)
+    block = dict(data[CONFIG_KEY])
+    changes = block.pop(NATIVE_KEY)
+    block.pop(REPLACED_KEY, None)
+    block[REPLACED_KEY] = {key: copy.deepcopy(live.get(key)) for key in changes}
+    block[SAVED_AS_KEY] = "native"
+    data.update(copy.deepcopy(changes))
+    data[CONFIG_KEY] = block
+    return data
+
+
+def mark_config_dict(config_dict: dict[str, Any], live: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The serialized config of a patched model, marked so that plain transformers refuses to load it (or, while
+    ``model.save_pretrained`` writes a native form, that form: see :func:`native_config_dict`; ``live`` is the
+    live config's ``__dict__``). A dict without a spec block is returned unchanged."""
     block = config_dict.get(CONFIG_KEY)
     if not isinstance(block, dict):
         return config_dict
+    if NATIVE_KEY in block:
+        return native_config_dict(config_dict, live if live is not None else config_dict)
     data = dict(config_dict)
     block = dict(block)
     before = block.pop(REPLACED_KEY, None) or {}  # a config loaded marked (class-specific load) and saved again
@@ -102,6 +138,7 @@ def mark_config_dict(config_dict: dict[str, Any]) -> dict[str, Any]:
         replaced["rope_scaling"] = copy.deepcopy(scaling)
         data["rope_scaling"] = {**(scaling or {}), "rope_type": f"ctxext: {LOAD_HINT}"}
     block[REPLACED_KEY] = replaced
+    block.pop(SAVED_AS_KEY, None)
     data[CONFIG_KEY] = block
     return data
 
@@ -113,6 +150,8 @@ def unmark_config_dict(config_dict: dict[str, Any]) -> dict[str, Any]:
     data = dict(config_dict)
     block = dict(data[CONFIG_KEY])
     data.update(copy.deepcopy(block.pop(REPLACED_KEY) or {}))
+    block.pop(SAVED_AS_KEY, None)
+    block.pop(TENSORS_KEY, None)
     data[CONFIG_KEY] = block
     return data
 
@@ -124,6 +163,8 @@ def unmark_live_config(config: Any) -> None:
     if not isinstance(block, dict) or REPLACED_KEY not in block:
         return
     block = dict(block)
+    block.pop(SAVED_AS_KEY, None)
+    block.pop(TENSORS_KEY, None)
     for key, value in (block.pop(REPLACED_KEY) or {}).items():
         if key == "model_type":
             if _is_mark(vars(config).get("model_type")):
@@ -154,7 +195,7 @@ def install_save_mark() -> bool:
         text = original(self, *args, **kwargs)
         if not isinstance(vars(self).get(CONFIG_KEY), dict):
             return text
-        return json.dumps(mark_config_dict(json.loads(text)), indent=2, sort_keys=True) + "\n"
+        return json.dumps(mark_config_dict(json.loads(text), vars(self)), indent=2, sort_keys=True) + "\n"
 
     to_json_string._ctxext_mark = True
     base.to_json_string = to_json_string

@@ -69,18 +69,25 @@ def causal(model, length: int = 60, cut: int = 25, seed: int = 9) -> None:
 def patch_survives_save_and_reload(model, tmp_path, method, factor, ids, unpatched_ids=None):
     """Patch, save, reload with ``ctxext.from_pretrained``: the same spec and bit-identical logits on ``ids``; after
     unpatch, the unpatched model's logits on ``unpatched_ids`` (default ``ids``) bit for bit. Plain
-    ``AutoModelForCausalLM.from_pretrained`` refuses the saved folder, naming ``ctxext.from_pretrained``. Returns the
-    reload."""
+    ``AutoModelForCausalLM.from_pretrained`` loads the folder as the patched model (atol 1e-5) where the patch has a
+    transformers-native form (``ctxext.export``), and otherwise refuses it, naming ``ctxext.from_pretrained``.
+    Returns the reload."""
     import pytest
     from transformers import AutoModelForCausalLM
+
+    from ctxext.export import check_native
 
     unpatched_ids = ids if unpatched_ids is None else unpatched_ids
     unpatched = model(unpatched_ids).logits
     ctxext.patch(model, method, factor)
     patched = model(ids).logits
     model.save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"ctxext\.from_pretrained\(path\)"):
-        AutoModelForCausalLM.from_pretrained(tmp_path)
+    if check_native(model) is None:
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        torch.testing.assert_close(plain(ids).logits, patched, atol=1e-5, rtol=0)
+    else:
+        with pytest.raises(ValueError, match=r"ctxext\.from_pretrained\(path\)"):
+            AutoModelForCausalLM.from_pretrained(tmp_path)
     loaded = ctxext.from_pretrained(tmp_path)
     assert ctxext.describe(loaded) == ctxext.describe(model)
     assert torch.equal(loaded(ids).logits, patched)

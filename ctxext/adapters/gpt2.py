@@ -19,6 +19,7 @@ Positions past the end of the table are clamped to its last row, so inputs longe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -124,3 +125,64 @@ def _keep_n_ctx_in_step(config, spec: PatchSpec) -> Restore:
         config.n_ctx = before
 
     return restore
+
+
+# -- native export (ctxext.export) ---------------------------------------------------------------------------------
+
+
+def native_form(model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
+    """``pi`` / ``extrapolate`` have an exact plain-GPT-2 form: ``wpe`` holding the method's table (``n_positions``
+    rows, the patched length, already advertised) for inputs up to that length. The original table is kept beside
+    the weights so ``ctxext.from_pretrained`` can re-apply the patch and ``unpatch`` restore it."""
+    from ..export import NativeForm, NoNativeForm
+
+    owner = position_owner(model)
+    wpe = getattr(owner, "wpe", None)
+    if check_only and spec.method in TABLE_METHODS:
+        return NativeForm({}, summary=f"wpe resized to {spec.patched_length} rows ({spec.method})")
+    if spec.method not in TABLE_METHODS or not isinstance(wpe, PositionTable) or wpe.table is None:
+        raise NoNativeForm(
+            f"method {spec.method!r} on GPT-2 (learned absolute) has no transformers-native form (a plain GPT-2 "
+            "always adds a position table); only pi and extrapolate (a resized wpe) have one"
+        )
+    if wpe.table.shape[0] != spec.patched_length:
+        raise NoNativeForm(f"the {spec.method} table has {wpe.table.shape[0]} rows, not the advertised "
+                           f"{spec.patched_length}")
+    prefix = next(name for name, module in model.named_modules() if module is owner)
+    key = f"{prefix}.wpe.weight" if prefix else "wpe.weight"
+
+    @contextlib.contextmanager
+    def weights():
+        plain = nn.Embedding(wpe.table.shape[0], wpe.embedding_dim, device="meta")
+        plain.weight = nn.Parameter(wpe.table, requires_grad=False)
+        owner.wpe = plain
+        try:
+            yield
+        finally:
+            owner.wpe = wpe
+
+    return NativeForm({}, weights=weights, originals=lambda: {key: wpe.weight},
+                      summary=f"wpe resized to {spec.patched_length} rows ({spec.method}), n_positions "
+                              f"{spec.patched_length}")
+
+
+def restore_exported(model: nn.Module, tensors: dict[str, torch.Tensor], spec: PatchSpec) -> None:
+    """A GPT-2 exported natively and loaded as saved (``wpe`` = the patched table): the original table back (from
+    ``tensors``, as :func:`native_form` saved it) and the original length in the config."""
+    from ..errors import PatchError
+
+    config = model.config
+    owner = position_owner(model)
+    if owner is None or len(tensors) != 1:
+        raise PatchError("a natively exported GPT-2 checkpoint whose position table or saved original does not "
+                         "match; load it with AutoModelForCausalLM.from_pretrained")
+    (original,) = tensors.values()
+    wpe = owner.wpe
+    restored = nn.Embedding(original.shape[0], original.shape[1], device="meta")
+    restored.weight = nn.Parameter(original.to(dtype=wpe.weight.dtype, device=wpe.weight.device),
+                                   requires_grad=wpe.weight.requires_grad)
+    owner.wpe = restored
+    patched = getattr(config, "n_positions", None)
+    config.n_positions = original.shape[0]
+    if vars(config).get("n_ctx") == patched:
+        config.n_ctx = original.shape[0]
