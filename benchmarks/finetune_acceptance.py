@@ -8,7 +8,11 @@
 2. ``recipes/tiny/llama_alibi_lora.yaml``: ALiBi swap + LoRA at 1x (256 tokens). Expected: LoRA recovers
    most of the swap's loss at 1x: (loss_swap - loss_after) / (loss_swap - loss_original) > 0.5, in nats/token.
 
-Optional extras (``--only``): ``yarn``, ``nope``, ``gpt2`` (the other tiny recipes).
+Optional extras (``--only``): ``yarn``, ``nope``, ``gpt2`` (the other tiny recipes), and ``pose``:
+``recipes/tiny/llama_pi_pose_lora.yaml``, PI x4 + LoRA trained with PoSE on 256-token windows whose positions span
+1024, the same steps as the PI run. Expected: fine-tuned perplexity at 1024 below training-free PI's.
+``--time-steps N`` times N training steps of the full-length PI recipe and of the PoSE recipe back to back (same
+machine, same load, no evaluation) and adds seconds per step to the report.
 Writes ``benchmarks/finetune_report.json`` and ``benchmarks/finetune_report.md`` with machine and date.
 The training novels ship with the package (``data.files: [reference:train]`` in the tiny recipes).
 """
@@ -34,6 +38,8 @@ RUNS = {
     "yarn": ("recipes/tiny/llama_yarn_lora.yaml", "LLaMA reference, YaRN x4 + LoRA at 1024 tokens (4x)"),
     "nope": ("recipes/tiny/llama_nope_lora.yaml", "LLaMA reference, NoPE + LoRA at 256 tokens (1x)"),
     "gpt2": ("recipes/tiny/gpt2_pi_lora.yaml", "GPT-2 reference, PI x4 (table trained) + LoRA at 1024 tokens (4x)"),
+    "pose": ("recipes/tiny/llama_pi_pose_lora.yaml",
+             "LLaMA reference, PI x4 + LoRA with PoSE: 256-token windows, positions spanning 1024"),
 }
 
 
@@ -159,6 +165,11 @@ def partial_summary(run_dir: Path, checkpoint: str) -> dict:
 
 def judge(key: str, s: dict) -> dict:
     """The acceptance criterion of a run, from its summary."""
+    if key == "pose":
+        length = str(s["pose"]["target_length"])
+        free, tuned = s["before"][length]["ppl"], s["after"][length]["ppl"]
+        return {"criterion": f"fine-tuned ppl at {length} < training-free ppl at {length}",
+                "training_free": free, "fine_tuned": tuned, "pass": tuned < free}
     if key in ("pi", "yarn", "gpt2"):
         length = str(s["seq_length"])
         free, tuned = s["before"][length]["ppl"], s["after"][length]["ppl"]
@@ -198,8 +209,9 @@ def write_report(results: dict, info: dict, notes: Path | None = None) -> None:
     for key, s in results.items():
         verdict = s["acceptance"]
         train = s["recipe_train"]
+        judged = str((s.get("pose") or {}).get("target_length") or s["seq_length"])
         for length in s["after"]:
-            crit = verdict["criterion"] if length == str(s["seq_length"]) else ""
+            crit = verdict["criterion"] if length == judged else ""
             ok = ("yes" if verdict["pass"] else "**no**") if crit else ""
             if crit and "recovered_fraction" in verdict:
                 crit += f": {100 * verdict['recovered_fraction']:.0f}% recovered"
@@ -213,9 +225,84 @@ def write_report(results: dict, info: dict, notes: Path | None = None) -> None:
             lines.append(f"\n`{key}`: {s['stopped']}; its learning-rate schedule was planned for the full run.")
     lines += ["", "Final training loss per run: " + ", ".join(
         f"{k} {s['final_loss']:.3f}" for k, s in results.items()) + ".", ""]
+    dated = {k: s["date"] for k, s in results.items() if s.get("date")}
+    if dated:
+        lines += ["Run dates: " + ", ".join(
+            f"{k} {d}" + (f" ({results[k]['torch_threads']} torch threads)" if results[k].get("torch_threads") else "")
+            for k, d in dated.items()) + ".", ""]
+    lines += pose_comparison(results, info)
     if notes is not None:
         lines += [notes.read_text().rstrip(), ""]
     (ROOT / "benchmarks" / "finetune_report.md").write_text("\n".join(lines))
+
+
+def pose_comparison(results: dict, info: dict) -> list[str]:
+    """PoSE beside the full-length LoRA run and training-free PI, at equal steps, with time per step."""
+    if "pose" not in results or "pi" not in results:
+        return []
+    pi, pose = results["pi"], results["pose"]
+    target = str(pose["pose"]["target_length"])
+    if target not in pi["after"]:
+        return []
+    timing = info.get("timing") or {}
+    def per_step(key, s):
+        t = timing.get(key)
+        return f"{t['median_s']:.2f} s" if t else "n/a"
+    def tokens(s):
+        return s["recipe_train"]["batch_size"] * s["seq_length"]
+    lines = [
+        f"## PoSE: PI x4 at {target} tokens, trained at {pose['seq_length']} vs at {target}",
+        "",
+        f"Same recipe (LoRA r 8 on q,k,v,o, lr 1e-3 cosine, batch 4, seed 0), same steps; held-out Emma at {target} "
+        f"tokens ({pose['after'][target]['windows']} windows).",
+        "",
+        f"| PI x4 | steps | tokens / step | s / step (timed together) | ppl at {target} |"
+        + (f" ppl at {pose['seq_length']} |" if str(pose["seq_length"]) in pose["after"] else ""),
+        "|---|---|---|---|---|" + ("---|" if str(pose["seq_length"]) in pose["after"] else ""),
+    ]
+    short = str(pose["seq_length"])
+    has_short = short in pose["after"]
+    def row(label, steps, tok, sec, ppl, ppl_short=None):
+        line = f"| {label} | {steps} | {tok} | {sec} | {fmt(ppl)} |"
+        return line + (f" {fmt(ppl_short)} |" if has_short else "")
+    lines.append(row("training-free", 0, "-", "-", pose["before"][target]["ppl"],
+                     pose["before"].get(short, {}).get("ppl")))
+    lines.append(row(f"LoRA at {pi['seq_length']} (full length)", pi["steps"], tokens(pi), per_step("pi", pi),
+                     pi["after"][target]["ppl"], None))
+    lines.append(row(f"LoRA + PoSE at {pose['seq_length']}, positions to {target}", pose["steps"], tokens(pose),
+                     per_step("pose", pose), pose["after"][target]["ppl"], pose["after"].get(short, {}).get("ppl")))
+    if timing:
+        lines += ["", "Seconds per step: median of " + ", ".join(
+            f"{k} {t['steps']} steps" for k, t in timing.items()) + f" timed back to back on {timing_machine(info)} "
+            f"({timing[next(iter(timing))].get('date', '')}), no evaluation, the first step dropped."]
+    lines.append("")
+    return lines
+
+
+def timing_machine(info: dict) -> str:
+    m = info.get("machine", {})
+    return f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('torch_threads', '?')} torch threads"
+
+
+def time_steps(keys: list[str], steps: int, out_root: Path) -> dict:
+    """Seconds per optimizer step of each run's recipe, N steps each, no evaluation, no checkpoints."""
+    import statistics
+
+    from ctxext.finetune import load_recipe, run
+
+    timing = {}
+    for key in keys:
+        out = out_root / f"timing-{key}"
+        recipe = load_recipe(ROOT / RUNS[key][0], [f"output.dir={out}", "output.overwrite=true",
+                                                   f"train.steps={steps}", "eval.enabled=false",
+                                                   "train.save_every=0"])
+        run(recipe, progress=False)
+        seconds = [json.loads(line)["seconds"] for line in (out / "log.jsonl").read_text().splitlines()
+                   if json.loads(line).get("event") == "step"]
+        timing[key] = {"steps": len(seconds), "median_s": statistics.median(seconds[1:] or seconds),
+                       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+        print(f"timing {key}: {timing[key]}", flush=True)
+    return timing
 
 
 def main() -> int:
@@ -230,6 +317,8 @@ def main() -> int:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="extra recipe override for every run (e.g. train.steps=20)")
     p.add_argument("--notes", type=Path, help="a Markdown file appended to the report (how the runs were made)")
+    p.add_argument("--time-steps", type=int, default=0, metavar="N",
+                   help="time N steps of the pi and pose recipes back to back; adds seconds per step to the report")
     p.add_argument("--checkpoint", action="append", default=[], metavar="RUN=step-N",
                    help="report a run stopped early from its checkpoint (e.g. pi=step-000050), evaluated now")
     args = p.parse_args()
@@ -239,19 +328,32 @@ def main() -> int:
     import yaml
 
     report = ROOT / "benchmarks" / "finetune_report.json"
-    results = {}
+    results, timing = {}, {}
     if args.keep and report.exists():
-        results = json.loads(report.read_text()).get("runs", {})
+        kept = json.loads(report.read_text())
+        results = kept.get("runs", {})
+        timing = kept.get("timing", {})
+        for s in results.values():
+            s.setdefault("date", kept.get("date"))
+            s.setdefault("torch_threads", kept.get("torch_threads"))
+    if args.time_steps:
+        timing = time_steps(["pi", "pose"], args.time_steps, args.out)
     for key in args.only:
         steps = {"pi": args.steps_pi, "alibi": args.steps_alibi}.get(key)
         if key in args.checkpoint:
             s = partial_summary(args.out / key, args.checkpoint[key])
             s.update(recipe=RUNS[key][0], title=RUNS[key][1])
         elif args.report_only:
-            s = json.loads((args.out / key / "results.json").read_text())
+            done = args.out / key / "results.json"
+            s = json.loads(done.read_text())
             s.update(recipe=RUNS[key][0], title=RUNS[key][1])
+            s["date"] = datetime.datetime.fromtimestamp(  # when the run finished
+                done.stat().st_mtime, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
         else:
             s = run_one(key, steps, args.out, args.overrides)
+            s["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+        if not args.report_only or key not in results or "torch_threads" not in s:
+            s.setdefault("torch_threads", torch.get_num_threads())
         s["recipe_train"] = yaml.safe_load((args.out / key / "recipe.yaml").read_text())["train"]
         s["acceptance"] = judge(key, s)
         s.pop("losses_all", None)
@@ -259,7 +361,7 @@ def main() -> int:
         print(f"{key}: {json.dumps(s['acceptance'])}", flush=True)
         info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 "machine": machine(), "torch_threads": torch.get_num_threads(),
-                "checkpoints": checkpoint_ids(results)}
+                "checkpoints": checkpoint_ids(results), "timing": timing}
         write_report(results, info, args.notes)
     return 0 if all(r["acceptance"]["pass"] for r in results.values()) else 1
 

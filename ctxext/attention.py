@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .errors import PatchError
+from .flex_paths import flex_alibi, use_flex
 from .methods.alibi import alibi_slopes
 
 ALIBI = "ctxext_alibi"
@@ -83,6 +84,12 @@ def alibi_attention_forward(
     queries at a time, each chunk seeing only the keys up to its last query; with a padding mask, a chunk's bias is
     materialised (at most ``CHUNK_BYTES``) to merge the mask in.
     """
+    dropped = dropped_features(kwargs)
+    if dropped:
+        raise ValueError(f"ctxext_alibi cannot honour what this attention layer passes: {dropped}")
+    window = kwargs.get("sliding_window")
+    if isinstance(window, int) and attention_mask is None and key.shape[2] > window:
+        raise ValueError(f"ctxext_alibi got sliding_window={window} without the window mask for {key.shape[2]} keys")
     # Causality is the layer's (``module.is_causal``, or not cross-attention), not the call's ``is_causal`` flag: some
     # releases (transformers 4.57's GPT-2) pass is_causal=False for a one-token decoding step of a causal layer.
     if getattr(module, "is_cross_attention", False):
@@ -103,14 +110,6 @@ def alibi_attention_forward(
     kv_heads, kv_len = key.shape[1], key.shape[2]
     if heads % kv_heads:
         raise ValueError(f"ctxext_alibi: {heads} query heads are not a multiple of {kv_heads} key/value heads")
-    gqa = {}
-    if kv_heads != heads:
-        if query.device.type == "cpu":
-            gqa = {"enable_gqa": True}  # the CPU flash kernel takes GQA with a mask
-        else:  # other backends fall back to the math kernel for GQA with a mask: repeat instead
-            key = key.repeat_interleave(heads // kv_heads, dim=1)
-            value = value.repeat_interleave(heads // kv_heads, dim=1)
-
     rows = max(MIN_ROWS, -(-q_len // CAUSAL_CHUNKS))
     if attention_mask is None:
         # transformers drops the mask when sdpa's own causal flag would do: a full pass (q_len == kv_len), one
@@ -120,10 +119,24 @@ def alibi_attention_forward(
     else:
         if attention_mask.dim() != 4:
             raise ValueError(f"ctxext_alibi expects a 4D attention mask, got shape {tuple(attention_mask.shape)}")
-        attention_mask = attention_mask[..., -kv_len:]
+        # the first kv_len columns, as transformers' sdpa function slices it: some models' own (4.x) masks carry
+        # a column more than the keys
+        attention_mask = attention_mask[..., :kv_len]
         # with a mask (padding, or a cache), the queries are the last q_len keys; a static cache's unused slots
         # are masked, and the resulting per-row offset of the bias does not change the softmax
         q_start = kv_len - q_len
+    if use_flex(query, dropout, key, value):  # a prefill / full pass on CUDA: one block-sparse flex call
+        mask = None if attention_mask is None else attention_mask[:, 0]
+        out = flex_alibi(query, key, value, _slopes(heads, query.device), q_start, mask, scaling)
+        if out is not None:  # None: an additive mask carrying a bias, which only the sdpa loop below adds
+            return out, None
+    gqa = {}
+    if kv_heads != heads:
+        if query.device.type == "cpu":
+            gqa = {"enable_gqa": True}  # the CPU flash kernel takes GQA with a mask
+        else:  # other backends fall back to the math kernel for GQA with a mask: repeat instead
+            key = key.repeat_interleave(heads // kv_heads, dim=1)
+            value = value.repeat_interleave(heads // kv_heads, dim=1)
     if attention_mask is not None or query.device.type != "cpu":
         # the chunk's bias is materialised: merged with the mask here, or copied by GPU kernels that need an
         # aligned mask layout
@@ -224,9 +237,45 @@ def can_use_attention(model: nn.Module) -> str | None:
     return None
 
 
+#: Attention-function arguments through which a model's attention does something a swapped-in function would have to
+#: reproduce (logit soft-capping, learned sink logits, a T5-style position bias, sparse attention indices). The
+#: ctxext functions reproduce none of them: a model whose attention passes one is refused (``attention_features``)
+#: and, should one still arrive, the function raises instead of silently dropping it. Sliding windows are honoured:
+#: they reach the function in the attention mask that transformers builds with the mask function registered under
+#: the same name.
+DROPPED_FEATURES = ("softcap", "s_aux", "sinks", "position_bias", "indices", "block_indices")
+
+
+def dropped_features(kwargs: dict) -> str:
+    """The features in an attention call's ``kwargs`` that the ctxext functions would drop ('' if none)."""
+    return ", ".join(f"{k}" for k in DROPPED_FEATURES if kwargs.get(k) is not None)
+
+
+def attention_features(model: nn.Module) -> str | None:
+    """Why a swapped-in attention function would change what ``model``'s attention does, or None.
+
+    Read from the model's structure and configs before anything is touched: attention logit soft-capping
+    (``attn_logit_softcapping``, Gemma 2), learned attention sinks (a ``sinks`` tensor on an attention module, GPT-OSS),
+    attention modules that pass a position bias of their own. Sliding windows are not in the list: transformers
+    builds them into the attention mask the function receives (the mask function is registered under the same
+    name), so they are honoured."""
+    name = type(model).__name__
+    for config in _configs(model):
+        cap = getattr(config, "attn_logit_softcapping", None)
+        if cap:
+            return (f"{name} soft-caps its attention logits (attn_logit_softcapping={cap}), which the swapped-in "
+                    "attention does not")
+    for module_name, module in model.named_modules():
+        sinks = getattr(module, "sinks", None)
+        if isinstance(sinks, torch.Tensor):
+            return (f"{name} has learned attention sinks ({module_name}.sinks), which the swapped-in attention "
+                    "does not add")
+    return None
+
+
 def require_attention(model: nn.Module) -> None:
     """Raise PatchError unless ``model`` can take the ALiBi attention (the adapters' check for ``alibi``)."""
-    reason = can_use_attention(model)
+    reason = can_use_attention(model) or attention_features(model)
     if reason:
         raise PatchError(f"cannot swap in ALiBi: {reason}")
 
@@ -250,4 +299,13 @@ def use_attention(model: nn.Module, name: str = ALIBI):
     return restore
 
 
-__all__ = ["ALIBI", "CHUNK_BYTES", "alibi_attention_forward", "can_use_attention", "require_attention", "use_attention"]
+__all__ = [
+    "ALIBI",
+    "CHUNK_BYTES",
+    "DROPPED_FEATURES",
+    "alibi_attention_forward",
+    "attention_features",
+    "can_use_attention",
+    "require_attention",
+    "use_attention",
+]

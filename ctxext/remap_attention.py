@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .attention import dropped_features
+from .flex_paths import flex_remap, use_flex
 from .methods.remap import PositionMap
 
 REMAP = "ctxext_remap"
@@ -107,7 +109,7 @@ def _positions(query, attention_mask, q_len, kv_len, kwargs):
     if attention_mask is None:
         last = torch.full((batch,), q_len - 1, device=device)
     else:
-        attends_self = attention_mask[:, 0, rows, slots].expand(batch, q_len)
+        attends_self = _as_bool(attention_mask)[:, 0, rows, slots].expand(batch, q_len)
         last = torch.where(attends_self, rows, -1).amax(-1)
         last = torch.where(last < 0, q_len - 1, last)
     offset = slots[last] - qpos.gather(1, last[:, None])[:, 0]
@@ -146,8 +148,10 @@ def remap_attention_forward(
             f"{REMAP}: {type(module).__name__} carries no position map; select this attention only through "
             "ctxext.patch (ctxext.adapters.remap.apply_remap)"
         )
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"{REMAP} does not support attention logit soft-capping")
+    dropped = dropped_features(kwargs)
+    if dropped:
+        raise ValueError(f"{REMAP} would drop what this attention call asks for ({dropped}); the model should have "
+                         "been refused at patch time")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if not causal:
         raise ValueError(f"{REMAP} applies to causal self-attention only")
@@ -160,7 +164,7 @@ def remap_attention_forward(
     if attention_mask is not None:
         if attention_mask.dim() != 4:
             raise ValueError(f"{REMAP} expects a 4D attention mask, got shape {tuple(attention_mask.shape)}")
-        attention_mask = attention_mask[..., -kv_len:]
+        attention_mask = attention_mask[..., :kv_len]  # as transformers' sdpa: a mask may carry extra columns
     pmap = state.map
     inv_freq = state.frequencies(query.device)
     att = state.attention_scaling
@@ -194,6 +198,9 @@ def remap_attention_forward(
     keys = [rotate(key, r.key(kpos), inv_freq, att) for r in rotations]
     queries = [rotate(query, r.query(qpos), inv_freq, att) for r in rotations]
     mask = None if attention_mask is None else _as_bool(attention_mask)[:, 0]  # (B or 1, q_len, kv_len)
+    if use_flex(query, dropout, key, value):  # a long prefill / full pass on CUDA: one block-sparse flex call
+        raw = None if attention_mask is None else attention_mask[:, 0]  # its identity lets layers share a block mask
+        return flex_remap(pmap, queries, keys, value, qpos, kpos, slots, raw, scaling), None
 
     count = len(rotations)
     if STRATEGY == "concat":  # per row: the selector, masks and picks (bytes), no float scores

@@ -5,13 +5,14 @@ from __future__ import annotations
 from torch import nn
 
 from ..errors import PatchError
+from .alibi_bias import FalconAlibiAdapter, MptAdapter
 from .base import Adapter
 from .bloom import BloomAdapter
 from .gpt2 import GPT2Adapter
 from .rotary import RotaryAdapter
 
 #: One adapter per positional family, in detection order (and column order of the method table).
-ADAPTERS: list[Adapter] = [RotaryAdapter(), GPT2Adapter(), BloomAdapter()]
+ADAPTERS: list[Adapter] = [RotaryAdapter(), GPT2Adapter(), BloomAdapter(), MptAdapter(), FalconAlibiAdapter()]
 
 
 def find_adapter(model: nn.Module) -> Adapter:

@@ -85,6 +85,11 @@ def check_remap(model: nn.Module, method: str, factor: float | None, options: di
         raise PatchError(f"unknown position-remapping method {method!r}; choose one of {', '.join(REMAP_METHODS)}")
     modules = rotary_modules(model)
     if not modules:
+        from .rotary import rotary_units
+
+        if rotary_units(model):
+            raise PatchError(f"{type(model).__name__} has rotary frequencies per layer type; the position-remapping "
+                             "attention uses one set: refused")
         raise PatchError(f"method {method!r} remaps rotary positions; {type(model).__name__} has no rotary module")
     length = _original_length(model, original_length)
     options = {k: v for k, v in options.items() if v is not None}
@@ -107,7 +112,26 @@ def check_remap(model: nn.Module, method: str, factor: float | None, options: di
                          "position map")
     target = length if factor is None else int(round(length * factor))
     _refuse_features(model, target)
+    _refuse_other_rotations(model)
     return pmap
+
+
+def _refuse_other_rotations(model: nn.Module) -> None:
+    """The remap attention rotates q and k itself, in the rotate_half layout over the leading rotary dims: a model
+    that rotates interleaved pairs, or in a way the probe does not recognise, or only part of a latent head (MLA),
+    would be silently wrong."""
+    from .rotary import rotation_layout
+
+    name = type(model).__name__
+    layout = rotation_layout(model)
+    if layout != "half":
+        how = f"rotates {layout} pairs" if layout else "applies rotary positions in a way ctxext does not recognise"
+        raise PatchError(f"{name} {how}; the position-remapping attention rotates halves (rotate_half): refused")
+    for config in _configs(model):
+        if getattr(config, "qk_rope_head_dim", None):
+            raise PatchError(f"{name} uses multi-head latent attention (rotary on qk_rope_head_dim="
+                             f"{config.qk_rope_head_dim} of each head); the position-remapping attention does not "
+                             "follow it: refused")
 
 
 def apply_remap(model: nn.Module, method: str, factor: float | None, options: dict[str, Any],

@@ -35,17 +35,95 @@ STATIC_METHODS: dict[str, Callable] = {
 }
 
 
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def rotary_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Rotary modules with one set of frequencies: ``inv_freq`` / ``original_inv_freq`` buffers, a float
+    ``attention_scaling`` and a string ``rope_type`` (Llama, Mistral, Qwen2, GPT-NeoX, ...)."""
     found = []
     for name, module in model.named_modules():
         if (
             isinstance(getattr(module, "inv_freq", None), torch.Tensor)
             and isinstance(getattr(module, "original_inv_freq", None), torch.Tensor)
-            and isinstance(getattr(module, "attention_scaling", None), (int, float))
+            and _is_number(getattr(module, "attention_scaling", None))
             and isinstance(getattr(module, "rope_type", None), str)
         ):
             found.append((name, module))
     return found
+
+
+class RotaryUnit:
+    """One set of rotary frequencies: a plain rotary module, or one layer type of a module that keeps
+    ``<layer_type>_inv_freq`` / ``<layer_type>_original_inv_freq`` / ``<layer_type>_attention_scaling`` and a
+    ``rope_type`` dict keyed by layer type (Gemma 3 in transformers 5.x)."""
+
+    def __init__(self, name: str, module: nn.Module, layer_type: str | None = None):
+        self.module = module
+        self.layer_type = layer_type
+        self.prefix = f"{layer_type}_" if layer_type else ""
+        self.name = (name or "<root>") + (f"[{layer_type}]" if layer_type else "")
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return getattr(self.module, self.prefix + "inv_freq")
+
+    @property
+    def original_inv_freq(self) -> torch.Tensor:
+        return getattr(self.module, self.prefix + "original_inv_freq")
+
+    @original_inv_freq.setter
+    def original_inv_freq(self, value) -> None:
+        setattr(self.module, self.prefix + "original_inv_freq", value)
+
+    @property
+    def attention_scaling(self) -> float:
+        return getattr(self.module, self.prefix + "attention_scaling")
+
+    @attention_scaling.setter
+    def attention_scaling(self, value: float) -> None:
+        setattr(self.module, self.prefix + "attention_scaling", value)
+
+    @property
+    def rope_type(self) -> str:
+        kind = self.module.rope_type
+        return kind if self.layer_type is None else kind[self.layer_type]
+
+    def thetas(self) -> list[float]:
+        if self.layer_type is None:
+            return _rope_thetas(self.module)
+        params = getattr(getattr(self.module, "config", None), "rope_parameters", None) or {}
+        theta = (params.get(self.layer_type) or {}).get("rope_theta") if isinstance(params, dict) else None
+        return [float(theta)] if _is_number(theta) and theta > 0 else []
+
+
+def _layered_types(module: nn.Module) -> list[str] | None:
+    """The layer types of a rotary module with one set of frequencies per layer type, else None."""
+    types = getattr(module, "layer_types", None)
+    kinds = getattr(module, "rope_type", None)
+    if not isinstance(types, (list, tuple, set)) or not types or not isinstance(kinds, dict):
+        return None
+    for t in types:
+        if not (
+            isinstance(t, str)
+            and isinstance(getattr(module, f"{t}_inv_freq", None), torch.Tensor)
+            and isinstance(getattr(module, f"{t}_original_inv_freq", None), torch.Tensor)
+            and _is_number(getattr(module, f"{t}_attention_scaling", None))
+            and isinstance(kinds.get(t), str)
+        ):
+            return None
+    return sorted(types)
+
+
+def rotary_units(model: nn.Module) -> list[RotaryUnit]:
+    """Every set of rotary frequencies in ``model``: plain rotary modules and per-layer-type ones."""
+    units = [RotaryUnit(name, module) for name, module in rotary_modules(model)]
+    for name, module in model.named_modules():
+        types = _layered_types(module)
+        if types:
+            units += [RotaryUnit(name, module, t) for t in types]
+    return units
 
 
 def _rope_thetas(module: nn.Module) -> list[float]:
@@ -57,21 +135,74 @@ def _rope_thetas(module: nn.Module) -> list[float]:
     params = getattr(config, "rope_parameters", None) or {}
     found = [params.get("rope_theta") if isinstance(params, dict) else None]
     found += [getattr(config, "rope_theta", None), getattr(config, "rotary_emb_base", None)]
-    return [float(t) for t in found if isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0]
+    return [float(t) for t in found if _is_number(t) and t > 0]
 
 
 def rope_inputs(name: str, module: nn.Module, original_length: int) -> rope.RopeInputs:
-    if module.rope_type != "default":
+    """The frequencies a plain rotary module started from (``unit_inputs`` for any ``RotaryUnit``)."""
+    return unit_inputs(RotaryUnit(name, module), original_length)
+
+
+def _rotary_output(unit: RotaryUnit) -> torch.Tensor:
+    inv_freq = unit.inv_freq
+    x = torch.zeros(1, 2, 2 * inv_freq.numel(), dtype=torch.float32, device=inv_freq.device)
+    position_ids = torch.tensor([[1, 2]], device=inv_freq.device)
+    with torch.no_grad():  # .forward: without the module's hooks (a dynamic-NTK hook would rewrite inv_freq)
+        if unit.layer_type is None:
+            out = unit.module.forward(x, position_ids)
+        else:
+            out = unit.module.forward(x, position_ids, unit.layer_type)
+    parts = list(out) if isinstance(out, (tuple, list)) else [out]  # (cos, sin), or one complex tensor
+    return torch.cat([torch.view_as_real(p).flatten(-2) if p.is_complex() else p.float() for p in parts], dim=-1)
+
+
+def unread_surface(unit: RotaryUnit) -> str | None:
+    """Whether the module's forward reads the buffers a patch rewrites, probed on the module alone: its output with
+    the original frequencies, with them halved, and with ``attention_scaling`` doubled (everything put back exactly;
+    the original frequencies, not the current ones, so that a model patched with zero frequencies probes alike).
+    Some modules recompute their frequencies from the config in every forward (Phimoe in transformers 5.x), so
+    a patch of the buffers would change nothing. Returns why not, or None."""
+    saved_freq = unit.inv_freq.detach().clone()
+    saved_scaling = unit.attention_scaling
+    original = unit.original_inv_freq.detach().clone()
+    try:
+        with torch.no_grad():
+            unit.inv_freq.copy_(original)
+        unit.attention_scaling = 1.0
+        base = _rotary_output(unit)
+        with torch.no_grad():
+            unit.inv_freq.copy_(original * 0.5)
+        halved = _rotary_output(unit)
+        with torch.no_grad():
+            unit.inv_freq.copy_(original)
+        unit.attention_scaling = 2.0
+        doubled = _rotary_output(unit)
+    except Exception as exc:  # a forward this probe cannot call: say so rather than guess
+        return f"ctxext could not probe its forward ({type(exc).__name__}: {exc}) to confirm a patch acts on it"
+    finally:
+        with torch.no_grad():
+            unit.inv_freq.copy_(saved_freq)
+        unit.attention_scaling = saved_scaling
+    if torch.equal(halved, base):
+        return ("its forward does not read its inv_freq buffer (it recomputes the frequencies), so a patch would "
+                "change nothing")
+    if not torch.allclose(doubled, 2 * base, rtol=1e-5, atol=1e-6):
+        return "its forward does not apply its attention_scaling, so a patch's attention factor would be lost"
+    return None
+
+
+def unit_inputs(unit: RotaryUnit, original_length: int) -> rope.RopeInputs:
+    if unit.rope_type != "default":
         raise PatchError(
-            f"rotary module {name or '<root>'} already uses transformers rope_type {module.rope_type!r}; ctxext "
+            f"rotary module {unit.name} already uses transformers rope_type {unit.rope_type!r}; ctxext "
             "methods start from plain RoPE. Load the model with rope_parameters rope_type='default' to patch it."
         )
-    stored = module.original_inv_freq.detach()
+    stored = unit.original_inv_freq.detach()
     inv_freq = stored.float()
     dim = 2 * inv_freq.numel()
-    bases = _rope_thetas(module)
+    bases = unit.thetas()
     if not bases or dim < 4:
-        raise PatchError(f"rotary module {name or '<root>'} has no rope_theta or too few dimensions ({dim})")
+        raise PatchError(f"rotary module {unit.name} has no rope_theta or too few dimensions ({dim})")
     # Guard against a rotary module of the same shape but another frequency formula. A model cast with
     # ``.to(torch.bfloat16)`` (or .half()) rounds the buffer too, so the check allows that dtype's rounding.
     rtol = max(1e-4, torch.finfo(stored.dtype).eps)
@@ -80,7 +211,7 @@ def rope_inputs(name: str, module: nn.Module, original_length: int) -> rope.Rope
     base = matching[0] if matching else bases[0]
     if not matching:
         raise PatchError(
-            f"rotary module {name or '<root>'}: inv_freq does not follow base**(-2i/d) with rope_theta={base}; "
+            f"rotary module {unit.name}: inv_freq does not follow base**(-2i/d) with rope_theta={base}; "
             "ctxext does not know this rotary variant"
         )
     if stored.dtype != torch.float32:
@@ -101,8 +232,9 @@ class DynamicNTKHook:
     scale, from its longest row.
     """
 
-    def __init__(self, inputs: rope.RopeInputs, factor: float):
-        self.inputs = inputs
+    def __init__(self, targets: list[tuple[RotaryUnit, rope.RopeInputs]], factor: float):
+        self.targets = targets  # the module's frequency sets (one, or one per layer type) and their inputs
+        self.inputs = targets[0][1]
         self.factor = factor
         self.length_hint: int | None = None
         self.length: int | None = None  # the length the current sequence's scale was fixed from
@@ -118,8 +250,9 @@ class DynamicNTKHook:
             self.length = max(end, self.length_hint or 0)
         target = max(self.length, self.inputs.original_length)
         if target != self._applied:
-            inv_freq, _ = rope.dynamic_ntk_scale(self.inputs, self.factor, target)
-            module.inv_freq.copy_(inv_freq)
+            for unit, inputs in self.targets:
+                inv_freq, _ = rope.dynamic_ntk_scale(inputs, self.factor, target)
+                unit.inv_freq.copy_(inv_freq)
             self._applied = target
         return None
 
@@ -185,13 +318,20 @@ class RotaryAdapter(Adapter):
     }
 
     def detect(self, model: nn.Module) -> bool:
-        return bool(rotary_modules(model))
+        # a model whose rotary module is never applied (positions from ALiBi) is left to the ALiBi adapters
+        return bool(rotary_units(model)) and positions_not_rotary(model) is None
 
     def check(self, model: nn.Module, spec: PatchSpec) -> None:
+        reason = positions_not_rotary(model)
+        if reason:
+            raise PatchError(f"{type(model).__name__} {reason}: patching its rotary module would change nothing")
         if spec.original_length is None:
             raise PatchError(f"{type(model).__name__} config has no {self.length_attr}; cannot scale RoPE")
-        for name, module in rotary_modules(model):
-            rope_inputs(name, module, spec.original_length)
+        for unit in rotary_units(model):
+            unit_inputs(unit, spec.original_length)
+            reason = unread_surface(unit)
+            if reason:
+                raise PatchError(f"rotary module {unit.name} of {type(model).__name__}: {reason}; refused")
         if spec.method == "alibi":
             require_attention(model)
         if spec.method in REMAP_METHODS:
@@ -206,19 +346,22 @@ class RotaryAdapter(Adapter):
             return apply_remap(model, spec.method, spec.factor, spec.options, spec.original_length)
         undo: list[Restore] = []
         try:
-            for name, module in rotary_modules(model):
-                undo.append(_saver(module))
-                inputs = rope_inputs(name, module, spec.original_length)
+            dynamic: dict[int, tuple[nn.Module, list]] = {}
+            for unit in rotary_units(model):
+                undo.append(_unit_saver(unit))
+                inputs = unit_inputs(unit, spec.original_length)
                 if spec.method == "dynamic-ntk":
-                    hook = DynamicNTKHook(inputs, spec.factor)
-                    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
-                    module._ctxext_dynamic = hook
-                    undo.append(functools.partial(_remove_hook, module, handle))
+                    dynamic.setdefault(id(unit.module), (unit.module, []))[1].append((unit, inputs))
                 else:
                     inv_freq, attention_factor = STATIC_METHODS[spec.method](inputs, spec.factor, **spec.options)
                     with torch.no_grad():
-                        module.inv_freq.copy_(inv_freq)
-                    module.attention_scaling = attention_factor
+                        unit.inv_freq.copy_(inv_freq)
+                    unit.attention_scaling = attention_factor
+            for module, targets in dynamic.values():
+                hook = DynamicNTKHook(targets, spec.factor)
+                handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+                module._ctxext_dynamic = hook
+                undo.append(functools.partial(_remove_hook, module, handle))
             if spec.method == "dynamic-ntk":
                 undo.append(_wrap_generate(model))
             if spec.method == "alibi":
@@ -229,26 +372,49 @@ class RotaryAdapter(Adapter):
         return functools.partial(run_all, undo)
 
 
+def positions_not_rotary(model: nn.Module) -> str | None:
+    """Why a model that builds a rotary module takes its positions elsewhere (None: it uses the rotary module).
+
+    A structure can mislead: Falcon builds a rotary module even when its config selects ALiBi (``alibi=True``) and
+    then never applies it."""
+    for config in _configs(model):
+        if getattr(config, "alibi", None) is True:
+            return "takes its positions from ALiBi (config alibi=True), not from its rotary module"
+    return None
+
+
+def _configs(model: nn.Module) -> list:
+    from ..attention import _configs as configs
+
+    return configs(model)
+
+
 def _saver(module: nn.Module) -> Restore:
-    """Snapshot what a patch may change on a rotary module; the returned function puts it back bit-exactly.
+    """Snapshot what a patch may change on a plain rotary module (see ``_unit_saver``)."""
+    return _unit_saver(RotaryUnit("", module))
+
+
+def _unit_saver(unit: RotaryUnit) -> Restore:
+    """Snapshot what a patch may change on a set of rotary frequencies; the returned function puts it back
+    bit-exactly.
 
     Where ``original_inv_freq`` is the ``inv_freq`` tensor itself (transformers 4.x rotary modules alias them; 5.x
     keeps a separate buffer), it becomes a copy while patched, so the in-place rewrite of ``inv_freq`` leaves the
     original frequencies intact (a replace, a second patch and transformers' own dynamic update read them); unpatch
     restores the alias."""
-    inv_freq = module.inv_freq.detach().clone()
-    attention_scaling = module.attention_scaling
-    original = module.original_inv_freq
-    aliased = original is module.inv_freq
+    inv_freq = unit.inv_freq.detach().clone()
+    attention_scaling = unit.attention_scaling
+    original = unit.original_inv_freq
+    aliased = original is unit.inv_freq
     if aliased:
-        module.original_inv_freq = original.detach().clone()
+        unit.original_inv_freq = original.detach().clone()
 
     def restore():
         with torch.no_grad():
-            module.inv_freq.copy_(inv_freq.to(module.inv_freq.device))
-        module.attention_scaling = attention_scaling
+            unit.inv_freq.copy_(inv_freq.to(unit.inv_freq.device))
+        unit.attention_scaling = attention_scaling
         if aliased:
-            module.original_inv_freq = module.inv_freq
+            unit.original_inv_freq = unit.inv_freq
 
     return restore
 
@@ -256,3 +422,52 @@ def _saver(module: nn.Module) -> Restore:
 def _remove_hook(module: nn.Module, handle) -> None:
     handle.remove()
     module.__dict__.pop("_ctxext_dynamic", None)
+
+
+
+def _half_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _interleaved_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    cos = cos[..., :half].repeat_interleave(2, dim=-1)
+    sin = sin[..., :half].repeat_interleave(2, dim=-1)
+    return x * cos + torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2) * sin
+
+
+def rotation_layout(model: nn.Module) -> str | None:
+    """How the model's attention applies its rotary cos/sin, read from what its modeling code computes (the
+    ``apply_rotary_pos_emb`` its attention modules call, probed on a random vector), not from a class name:
+    ``"half"`` (rotate_half over two halves: Llama, Mistral, GPT-NeoX, ...), ``"interleaved"`` (rotate every two:
+    Cohere, GLM, Helium, ERNIE 4.5, ...), or None where neither fits or the function is not found.
+
+    Methods that only rewrite ``inv_freq`` work with any layout; a function that rotates q and k itself (the
+    position-remapping attention) must use the model's layout or refuse the model."""
+    import sys
+
+    functions = set()
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "is_causal"):
+            fn = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
+            if callable(fn):
+                functions.add(fn)
+    if len(functions) != 1:
+        return None
+    (fn,) = functions
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 3, 8, generator=generator)
+    k = torch.randn(1, 1, 3, 8, generator=generator)
+    freqs = torch.outer(torch.tensor([1.0, 2.0, 5.0]), torch.tensor([1.0, 0.3, 0.1, 0.01]))
+    emb = torch.cat((freqs, freqs), dim=-1)[None]  # (1, seq, dim): the half layout every rotary module returns
+    cos, sin = emb.cos(), emb.sin()
+    try:
+        rq, rk = fn(q, k, cos, sin)[:2]
+    except Exception:
+        return None
+    c, s_ = cos[:, None], sin[:, None]
+    for name, rotate in (("half", _half_rotation), ("interleaved", _interleaved_rotation)):
+        if torch.allclose(rq, rotate(q, c, s_), atol=1e-6) and torch.allclose(rk, rotate(k, c, s_), atol=1e-6):
+            return name
+    return None

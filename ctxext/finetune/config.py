@@ -113,12 +113,26 @@ class DataConfig:
     text_field: str = "text"
     #: read at most this many documents (files, JSONL lines and dataset rows, in order); null = all
     max_documents: Optional[int] = None
-    #: training sequence length; default: the patched length (factor x the model's original length)
+    #: training sequence length; default: the patched length (factor x the model's original length); with
+    #: train.pose: the model's original length
     seq_length: Optional[int] = None
     #: append the tokenizer's EOS after each document before packing
     add_eos: bool = True
     #: cap on the number of packed training sequences (after shuffling); null = all
     max_sequences: Optional[int] = None
+
+
+@dataclass
+class PoseConfig:
+    """PoSE (positional skip-wise training, Zhu et al. 2023): train on short windows whose position ids span the
+    target length. Each window is cut into ``chunks`` pieces; every piece keeps consecutive positions and the
+    pieces after the first are shifted by random, non-decreasing skips, so positions stay below ``target_length``.
+    The skips and cuts are fixed by ``train.seed`` and the sample's index in the run (as the batch order is)."""
+
+    #: the length the position ids span; default: the patched length (patch.factor x the model's original length)
+    target_length: Optional[int] = None
+    #: pieces per window (the paper's default, 2: the first chunk keeps positions 0.., the second is shifted)
+    chunks: int = 2
 
 
 @dataclass
@@ -146,6 +160,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     #: force CPU even where an accelerator is present
     cpu: bool = False
+    #: PoSE: train at the short data.seq_length (default then: the model's original length) with position ids
+    #: spanning pose.target_length; ``true`` for the defaults, a mapping (target_length, chunks), or null (off)
+    pose: Optional[PoseConfig] = None
 
 
 @dataclass
@@ -155,7 +172,7 @@ class EvalConfig:
     #: "reference" (the held-out book shipped with ctxext, also ``reference:emma``) or text files / folders
     #: (relative paths as in data.files)
     data: Union[list[str], str] = "reference"
-    #: evaluation lengths; default: [data.seq_length]
+    #: evaluation lengths; default: [data.seq_length] (with train.pose: [train.pose.target_length])
     lengths: list[int] = field(default_factory=list)
     protocol: str = "chunks"
     stride: Optional[int] = None
@@ -274,6 +291,8 @@ def _type_name(tp) -> str:
         return f"a list of {plural}"
     if tp is dict:
         return "a mapping"
+    if dataclasses.is_dataclass(tp):
+        return f"a mapping ({', '.join(f.name for f in dataclasses.fields(tp))})"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
         tp, getattr(tp, "__name__", str(tp)))
 
@@ -287,8 +306,13 @@ def _coerce(value: Any, tp, where: str) -> Any:
                 return None
             raise RecipeError(f"{where}: must be {_type_name(tp)}, got null")
         errors = []
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            if value is False and type(None) in args:
+                return None  # "pose: false" = off
+            return _coerce(value, inner[0], where)  # its own messages, with their key paths
         # try list before str so "[a, b]" stays a list, str before float so names stay names
-        for arg in sorted((a for a in args if a is not type(None)), key=lambda a: 0 if typing.get_origin(a) is list else 1):
+        for arg in sorted(inner, key=lambda a: 0 if typing.get_origin(a) is list else 1):
             try:
                 return _coerce(value, arg, where)
             except RecipeError as exc:
@@ -303,6 +327,8 @@ def _coerce(value: Any, tp, where: str) -> Any:
         return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
     if tp is Any:
         return value
+    if dataclasses.is_dataclass(tp):
+        return _subsection(tp, value, where)
     if tp is dict:
         if not isinstance(value, dict):
             raise RecipeError(f"{where}: must be a mapping, got {value!r}")
@@ -345,6 +371,31 @@ def _coerce(value: Any, tp, where: str) -> Any:
     raise RecipeError(f"{where}: unsupported type {tp}")  # pragma: no cover
 
 
+def _nested_section(tp):
+    """The dataclass of a key that is itself a small section (``PoseConfig`` for ``Optional[PoseConfig]``)."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
+            return inner[0]
+    return None
+
+
+def _subsection(cls, value: Any, where: str):
+    """A mapping inside a section (e.g. ``train.pose``), every problem with its key path; ``true`` = the defaults
+    (``false`` = off is read by the Optional around it, in :func:`_coerce`)."""
+    if value is True:
+        return cls()
+    if not isinstance(value, dict):
+        raise RecipeError(f"{where}: must be true, null or {_type_name(cls)}, got {value!r}")
+    problems = Problems()
+    section = _section(cls, value, where, problems)
+    if problems:
+        raise RecipeError("; ".join(problems.items), problems.items)
+    return section
+
+
 def _section(cls, data: Any, where: str, problems: Problems):
     """Read one section; every unknown key and unreadable value goes to ``problems`` (the default stays)."""
     if data is None:
@@ -364,10 +415,15 @@ def _section(cls, data: Any, where: str, problems: Problems):
     for k, v in data.items():
         if k not in known:
             continue
+        nested = _nested_section(hints[k])
+        if nested is not None and isinstance(v, dict):  # e.g. train.pose: read like a section, same problem list
+            values[k] = _section(nested, v, f"{where}.{k}", problems)
+            continue
         try:
             values[k] = _coerce(v, hints[k], f"{where}.{k}")
         except RecipeError as exc:
-            problems.add(str(exc))
+            for item in exc.problems:
+                problems.add(item)
             problems.bad.add(f"{where}.{k}")
     return cls(**values)
 
@@ -662,6 +718,8 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
         err(f"train.betas must be in [0, 1), got {t.betas}", "train.betas")
     if t.max_grad_norm is not None and t.max_grad_norm <= 0:
         err(f"train.max_grad_norm must be > 0 or null (no clipping), got {t.max_grad_norm:g}", "train.max_grad_norm")
+    if t.pose is not None:
+        _check_pose(recipe, err)
     if t.mixed_precision not in MIXED:
         err(f"train.mixed_precision must be one of {', '.join(MIXED)}, got {t.mixed_precision!r}",
             "train.mixed_precision")
@@ -697,6 +755,38 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
                     "eval.data")
     if own:
         problems.raise_if_any()
+
+
+#: patch methods that take positions out of the model's input: PoSE, which trains through the position ids, has
+#: nothing to act on (NoPE has no positions; the ALiBi swap biases attention by the tokens' distance in the sequence)
+NO_POSITION_INPUT = {"alibi": "the ALiBi swap biases attention by distance in the sequence, not by position ids",
+                     "nope": "NoPE removes the positional encoding"}
+
+
+def _check_pose(recipe: Recipe, err) -> None:
+    """train.pose checks that need no model: the options, the window against the target, a patch that leaves
+    positions in the input. The target against the patched model's length is checked with the architecture
+    (``finetune.train.check``)."""
+    pose, d, p = recipe.train.pose, recipe.data, recipe.patch
+    if pose.chunks < 2:
+        err(f"train.pose.chunks must be >= 2 (PoSE cuts each window into chunks with skips between them), "
+            f"got {pose.chunks}", "train.pose.chunks")
+    if pose.target_length is not None:
+        if pose.target_length < 2:
+            err(f"train.pose.target_length must be >= 2, got {pose.target_length}", "train.pose.target_length")
+        elif d.seq_length is not None and d.seq_length >= pose.target_length:
+            err(f"train.pose.target_length ({pose.target_length}) must be longer than data.seq_length "
+                f"({d.seq_length}), the window PoSE trains on", "train.pose.target_length")
+    elif p.method is None:
+        err("train.pose.target_length is required without a patch (by default it is the patched length)",
+            "train.pose.target_length")
+    if d.seq_length is not None and pose.chunks >= 2 and d.seq_length < pose.chunks:
+        err(f"data.seq_length ({d.seq_length}) must be at least train.pose.chunks ({pose.chunks})", "data.seq_length")
+    method = (p.method or "").strip().lower()
+    if method in NO_POSITION_INPUT:
+        err(f"train.pose: PoSE trains through the position ids, and patch.method {p.method!r} takes them out of the "
+            f"model's input ({NO_POSITION_INPUT[method]}); drop train.pose or use a rotary patch (pi, yarn, ...)",
+            "train.pose")
 
 
 def _check_local_model(m: ModelConfig, err) -> None:

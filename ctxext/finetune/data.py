@@ -8,6 +8,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import lzma
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -135,13 +136,54 @@ def tokenize_documents(tokenizer, docs: Iterator[str], add_eos: bool) -> torch.T
     return torch.cat(pieces)
 
 
+def pose_position_ids(length: int, target: int, chunks: int, seed: int, index: int) -> torch.Tensor:
+    """PoSE position ids (Zhu et al. 2023) for sample ``index`` of a run: ``length`` positions spanning up to
+    ``target``, a pure function of (``seed``, ``index``), so every process and a resumed run compute the same.
+
+    The window is cut into ``chunks`` pieces; piece ``i`` keeps consecutive positions, shifted by a skip ``u_i``
+    with ``u_0 = 0`` (the first piece starts at position 0) and ``u_i`` uniform in ``[u_{i-1}, target - length]``,
+    so the last position is at most ``target - 1``. Two pieces (the paper's setting) follow the authors' code: the
+    first holds 1 .. ceil(length / 2) tokens, the second the rest, shifted by a skip uniform in
+    ``[0, target - length]``. More pieces: cut points uniform over ``1 .. length - 1``, all distinct.
+
+    Drawn with ``random.Random(...).random()`` only, whose sequence Python keeps fixed across versions."""
+    if not 2 <= chunks <= length:
+        raise ValueError(f"PoSE needs 2 <= chunks <= length, got chunks={chunks}, length={length}")
+    if target < length:
+        raise ValueError(f"PoSE target length {target} is shorter than the window {length}")
+    rng = random.Random(f"ctxext-pose:{seed}:{index}")
+
+    def uniform(lo: int, hi: int) -> int:  # an integer in [lo, hi], both included
+        return lo + min(int(rng.random() * (hi - lo + 1)), hi - lo)
+
+    if chunks == 2:
+        cuts = [uniform(1, (length + 1) // 2)]
+    else:
+        chosen: set[int] = set()
+        while len(chosen) < chunks - 1:
+            chosen.add(uniform(1, length - 1))
+        cuts = sorted(chosen)
+    bounds = [0, *cuts, length]
+    skips = [0]
+    for _ in range(chunks - 1):
+        skips.append(uniform(skips[-1], target - length))
+    positions = torch.arange(length, dtype=torch.long)
+    for i in range(chunks):
+        positions[bounds[i]:bounds[i + 1]] += skips[i]
+    return positions
+
+
 class PackedData:
     """Token stream cut into ``n`` sequences of ``seq_length``; sample ``i`` of the global stream is
-    sequence ``order(epoch)[i % n]`` with ``epoch = i // n``, each epoch a fresh seeded permutation."""
+    sequence ``order(epoch)[i % n]`` with ``epoch = i // n``, each epoch a fresh seeded permutation.
 
-    def __init__(self, sequences: torch.Tensor, seed: int):
+    With ``pose`` (``(target_length, chunks)``), sample ``i`` also has PoSE position ids,
+    :func:`pose_position_ids` of the seed and ``i``; without it, the model's own (0 .. seq_length - 1)."""
+
+    def __init__(self, sequences: torch.Tensor, seed: int, pose: tuple[int, int] | None = None):
         self.sequences = sequences
         self.seed = seed
+        self.pose = pose
         self._orders: dict[int, torch.Tensor] = {}
 
     def __len__(self) -> int:
@@ -165,16 +207,35 @@ class PackedData:
         rows = [self.sequences[self.order(i // n)[i % n]] for i in range(start, start + count)]
         return torch.stack(rows)
 
+    def positions(self, start: int, count: int) -> torch.Tensor | None:
+        """PoSE position ids of global samples ``start .. start+count-1`` as (count, seq_length); None without PoSE."""
+        if self.pose is None:
+            return None
+        target, chunks = self.pose
+        return torch.stack([pose_position_ids(self.seq_length, target, chunks, self.seed, i)
+                            for i in range(start, start + count)])
+
+    @staticmethod
+    def _mine(step: int, batch_size: int, rank: int, world: int) -> tuple[int, int]:
+        per_rank = batch_size // world
+        return step * batch_size + rank * per_rank, per_rank
+
     def micro_batches(self, step: int, batch_size: int, micro: int, rank: int, world: int) -> list[torch.Tensor]:
         """This process's micro-batches for optimizer step ``step`` (0-based): the global batch is samples
         ``step*batch_size ..``, split evenly over processes, then into micro-batches."""
-        per_rank = batch_size // world
-        start = step * batch_size + rank * per_rank
+        start, per_rank = self._mine(step, batch_size, rank, world)
         mine = self.samples(start, per_rank)
         return list(mine.split(micro))
 
+    def micro_batch_positions(self, step: int, batch_size: int, micro: int, rank: int,
+                              world: int) -> list[torch.Tensor] | None:
+        """The PoSE position ids matching :meth:`micro_batches` (same split); None without PoSE."""
+        start, per_rank = self._mine(step, batch_size, rank, world)
+        positions = self.positions(start, per_rank)
+        return None if positions is None else list(positions.split(micro))
 
-def build_packed_data(recipe, tokenizer, seq_length: int) -> PackedData:
+
+def build_packed_data(recipe, tokenizer, seq_length: int, pose_target: int | None = None) -> PackedData:
     cfg = recipe.data
     paths = recipe.data_paths(cfg.files, "data.files")
     stream = tokenize_documents(tokenizer, iter_documents(paths, cfg), cfg.add_eos)
@@ -189,7 +250,8 @@ def build_packed_data(recipe, tokenizer, seq_length: int) -> PackedData:
         g = torch.Generator().manual_seed(recipe.train.seed)
         keep = torch.randperm(n, generator=g)[: cfg.max_sequences].sort().values
         sequences = sequences[keep]
-    return PackedData(sequences.contiguous(), recipe.train.seed)
+    pose = (pose_target, recipe.train.pose.chunks) if pose_target else None
+    return PackedData(sequences.contiguous(), recipe.train.seed, pose)
 
 
 def read_eval_tokens(recipe, tokenizer) -> tuple[torch.Tensor, str]:

@@ -164,6 +164,45 @@ def apply_patch(recipe: Recipe, model: nn.Module) -> dict[str, Any] | None:
     return describe(model)
 
 
+def check_position_input(model: nn.Module, target: int, method: str | None = None) -> None:
+    """PoSE trains through ``position_ids``: refuse a model whose output does not depend on them.
+
+    A capability probe, not a list of families: one short forward pass with consecutive positions, one with the
+    second half shifted to end at ``target - 1`` (as a PoSE sample). A rotary model sees the skip (relative
+    distances change), a learned position table too; a model that orders tokens by their index in the sequence
+    (BLOOM's ALiBi, ctxext's ALiBi swap, NoPE) gives the same logits, and PoSE would train nothing."""
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0) or 2
+    n = 8
+    device = next((q.device for q in model.parameters() if not q.is_meta), torch.device("cpu"))
+    ids = (torch.arange(n, device=device) * 7 + 3).remainder(vocab).unsqueeze(0)
+    plain = torch.arange(n, device=device).unsqueeze(0)
+    skipped = plain.clone()
+    skipped[:, n // 2:] += target - n
+    mask = torch.ones_like(ids)
+    what = f"model {type(_plain(model)).__name__}" + (f" patched with {method!r}" if method else "")
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            a = model(input_ids=ids, position_ids=plain, attention_mask=mask, use_cache=False).logits
+            b = model(input_ids=ids, position_ids=skipped, attention_mask=mask, use_cache=False).logits
+    except TypeError as exc:
+        raise RecipeError(f"train.pose: the {what} takes no position_ids ({str(exc).splitlines()[0]}); PoSE trains "
+                          "through them: drop train.pose") from None
+    except (IndexError, RuntimeError) as exc:
+        raise RecipeError(f"train.pose: the {what} cannot run positions up to {target - 1} "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0]}); patch it to reach the target "
+                          "length or shorten train.pose.target_length") from None
+    finally:
+        model.train(was_training)
+    diff = (a.float() - b.float()).abs().max().item()
+    if diff <= 1e-6 * max(1.0, a.float().abs().max().item()):
+        raise RecipeError(f"train.pose: the {what} ignores position_ids (the same logits with positions skipped to "
+                          f"{target - 1}): its positions come from the token order, not the input, so PoSE has "
+                          "nothing to train; drop train.pose (PoSE works where position ids reach the model: rotary "
+                          "models, GPT-2's position table)")
+
+
 def add_lora(recipe: Recipe, model: nn.Module, source: str) -> nn.Module:
     """Wrap the (patched) model with a peft LoRA adapter; ``trainable`` modules become ``modules_to_save``."""
     from peft import LoraConfig as PeftLoraConfig

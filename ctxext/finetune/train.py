@@ -27,6 +27,7 @@ from .model import (
     bake_position_tables,
     check_lora,
     check_patch,
+    check_position_input,
     count_parameters,
     load_model,
     load_tokenizer,
@@ -89,7 +90,14 @@ def check(recipe: Recipe) -> dict[str, Any]:
         raise RecipeError(prefix + count + "; ".join(problems), problems)
     if recipe.patch.method is not None and spec is None:
         return {"checked_architecture": False}
-    return {"checked_architecture": True, "patch": spec, "seq_length": _seq_length(recipe, spec, model)}
+    seq_length = _seq_length(recipe, spec, model)
+    checked = {"checked_architecture": True, "patch": spec, "seq_length": seq_length}
+    if recipe.train.pose is not None:
+        try:
+            checked["pose_target"] = _pose_target(recipe, spec, model, seq_length)
+        except RecipeError as exc:
+            raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "") + str(exc), exc.problems) from None
+    return checked
 
 
 def _check_model_source(recipe: Recipe) -> None:
@@ -106,15 +114,56 @@ def _check_model_source(recipe: Recipe) -> None:
             raise RecipeError(str(exc)) from None
 
 
+def _config_length(model) -> int | None:
+    length = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    return int(length) if length else None
+
+
 def _seq_length(recipe: Recipe, spec: dict | None, model) -> int:
+    """The training length: data.seq_length; else the patched length; with PoSE, the original length (PoSE trains
+    at the length the model was trained at and moves the positions instead)."""
     if recipe.data.seq_length:
         return recipe.data.seq_length
+    if recipe.train.pose is not None:
+        if spec and spec.get("original_length"):
+            return int(spec["original_length"])
+        if spec is None and _config_length(model):
+            return _config_length(model)
+        raise RecipeError("data.seq_length is required with train.pose: the patch records no original length")
     if spec and spec.get("patched_length"):
         return int(spec["patched_length"])
-    length = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    length = _config_length(model)
     if length:
-        return int(length)
+        return length
     raise RecipeError("data.seq_length is required: the patch gives no target length for this model")
+
+
+def _pose_target(recipe: Recipe, spec: dict | None, model, seq_length: int) -> int:
+    """PoSE's target length (train.pose.target_length, else the patched length), checked against the window and
+    against the length the patched model advertises: positions past it would index past a learned position table
+    (GPT-2's ``wpe``; ctxext's patched table clamps them) or train a rotary model where no patch put them."""
+    pose = recipe.train.pose
+    advertised = (int(spec["patched_length"]) if spec and spec.get("patched_length") else _config_length(model))
+    target = pose.target_length or (int(spec["patched_length"]) if spec and spec.get("patched_length") else None)
+    if target is None:
+        raise RecipeError("train.pose.target_length is required: the patch gives no target length for this model")
+    if target <= seq_length:
+        raise RecipeError(f"train.pose.target_length ({target}) must be longer than the training window "
+                          f"data.seq_length ({seq_length}): PoSE spreads a short window over a longer span")
+    if advertised is not None and target > advertised:
+        how = (f"patch.factor >= {target / (spec.get('original_length') or advertised):g}" if spec
+               else "a patch that reaches it (e.g. patch.method: pi or extrapolate, with a factor)")
+        raise RecipeError(f"train.pose.target_length ({target}) is past the {advertised} positions the "
+                          f"{'patched ' if spec else ''}model has; use {how}, or a shorter target")
+    return target
+
+
+def pose_inputs(batch: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The forward arguments of a PoSE micro-batch besides the tokens: its position ids, and an all-ones attention
+    mask. The mask is needed: given position ids that jump and no mask, transformers (5.x ``masking_utils``,
+    ``find_packed_sequence_indices``) reads the jumps as boundaries of packed documents and masks every chunk off
+    from the ones before it, so the long distances PoSE is for would never be trained."""
+    return {"position_ids": positions.to(batch.device), "attention_mask": torch.ones_like(batch)}
 
 
 def _accumulation(recipe: Recipe, world: int) -> int:
@@ -219,9 +268,14 @@ def run(
         check_patch(recipe, model)
         check_lora(recipe, model)
     seq_length = checked.get("seq_length")
-    eval_lengths = list(recipe.eval.lengths) or ([seq_length] if seq_length else [])
+    pose_target = checked.get("pose_target")
+    eval_lengths = list(recipe.eval.lengths) or ([pose_target or seq_length] if seq_length else [])
     state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed": 0.0, "unpatched": None, "before": None, "losses": []}
     resuming = resume and latest is not None
+    if t.pose is not None and recipe.patch.method is None and pose_target:
+        # no patch to wait for: probe before any evaluation (it runs again after the no-op patch: two tiny passes)
+        model.to(acc.device)
+        check_position_input(model, pose_target)
     if resuming:
         state.update(ckpt.read_state(latest))
     elif recipe.eval.enabled and recipe.eval.unpatched and eval_lengths:
@@ -230,8 +284,12 @@ def run(
         state["unpatched"] = _evaluate(recipe, model, eval_tokens, eval_lengths, acc.state, progress, tolerant=True)
     spec = apply_patch(recipe, model)
     seq_length = _seq_length(recipe, spec, model)
-    eval_lengths = eval_lengths or [seq_length]
-    data = build_packed_data(recipe, tokenizer, seq_length)
+    if t.pose is not None:
+        pose_target = _pose_target(recipe, spec, model, seq_length)
+        model.to(acc.device)
+        check_position_input(model, pose_target, recipe.patch.method)
+    eval_lengths = eval_lengths or [pose_target or seq_length]
+    data = build_packed_data(recipe, tokenizer, seq_length, pose_target)
     # -- only now, with the model loaded and the data read, is the output folder made (or an old run cleared):
     # a recipe that fails before this point leaves output.dir exactly as it was
     acc.wait_for_everyone()
@@ -245,7 +303,9 @@ def run(
     tokens_per_step = t.batch_size * seq_length
     say(
         f"patch: {spec['method'] + ' x' + format(spec['factor'] or 1, 'g') if spec else 'none'}; "
-        f"{len(data)} sequences of {seq_length} tokens; global batch {t.batch_size} = {world} process(es) x "
+        f"{len(data)} sequences of {seq_length} tokens"
+        + (f" (PoSE: positions spanning {pose_target}, {t.pose.chunks} chunks)" if pose_target else "")
+        + f"; global batch {t.batch_size} = {world} process(es) x "
         f"{accum} accumulation x {t.micro_batch_size} micro-batch; {t.steps} steps"
     )
     model.to(acc.device)
@@ -254,7 +314,8 @@ def run(
         if state["unpatched"] is not None:
             log.write(event="eval", when="unpatched", results=state["unpatched"])
         log.write(event="start", recipe=recipe.to_dict(), world_size=world, accumulation=accum,
-                  seq_length=seq_length, sequences=len(data), patch=spec, device=str(acc.device))
+                  seq_length=seq_length, pose_target=pose_target, sequences=len(data), patch=spec,
+                  device=str(acc.device))
         if main:
             (out / "recipe.yaml").write_text(recipe.to_yaml(absolute_paths=True))
         if recipe.eval.enabled and recipe.eval.before:
@@ -306,12 +367,14 @@ def run(
         step = state["step"]
         tic = time.perf_counter()
         batches = data.micro_batches(step, t.batch_size, t.micro_batch_size, acc.process_index, world)
+        positions = data.micro_batch_positions(step, t.batch_size, t.micro_batch_size, acc.process_index, world)
         total = torch.zeros((), device=acc.device, dtype=torch.float64)
         for i, batch in enumerate(batches):
             batch = batch.to(acc.device)
             sync = i == len(batches) - 1
+            extra = {} if positions is None else pose_inputs(batch, positions[i])
             with acc.no_sync(model) if not sync else contextlib.nullcontext():
-                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                loss = model(input_ids=batch, labels=batch, use_cache=False, **extra).loss
                 acc.backward(loss / accum)
             total += loss.detach().double()
         grad_norm = None
@@ -373,6 +436,7 @@ def run(
         "model": recipe.model.name,
         "patch": spec,
         "seq_length": seq_length,
+        "pose": None if pose_target is None else {"target_length": pose_target, "chunks": t.pose.chunks},
         "steps": state["step"],
         "tokens": state["tokens"],
         "train_seconds": round(state["elapsed"], 2),
@@ -415,6 +479,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     patch = summary["patch"]
     label = f"{patch['method']} x{patch['factor']:g}" if patch and patch.get("factor") else (
         patch["method"] if patch else "no patch")
+    pose = summary.get("pose")
+    if pose:
+        label += f" + PoSE to {pose['target_length']}"
     lines = [
         f"fine-tuned {summary['model']} ({label} + LoRA): {summary['steps']} steps, {summary['tokens']:,} tokens, "
         f"{summary['train_seconds']:.0f} s, final loss {summary['final_loss']:.4f}",

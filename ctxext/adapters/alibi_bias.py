@@ -1,0 +1,175 @@
+"""MPT and Falcon-with-ALiBi adapters: ALiBi biases built by the model, transformed where they are built.
+
+Both families add ``slope_h * position`` biases that the model computes itself, so the ALiBi methods act on the
+function that builds them (principle 1: the model's own attention path is untouched). The ALiBi tensor is linear
+in the slopes, so scaling the built tensor is the same as scaling the slopes:
+
+- ``pi``: interpolated ALiBi, every relative distance divided by the factor (tensor / factor);
+- ``nope``: the ALiBi bias removed (tensor x 0), only the causal mask orders tokens;
+- ``extrapolate``: biases unchanged, only the advertised length grows;
+- ``alibi``: refused, the model already is ALiBi; rotary methods and position remapping: refused, not rotary.
+
+Hook points (by capability):
+
+- MPT: the ``build_mpt_alibi_tensor`` method of the one patched ``MptModel`` instance (wrapped on the instance).
+  MPT builds its bias for ``config.max_seq_len`` keys and slices it to the keys present, so it cannot run past that
+  length: the advertised length *is* ``max_seq_len`` here, and a patch that advertises ``factor x`` the length lets
+  the model read that many tokens (``extrapolate`` included).
+- Falcon with ``alibi=True``: the module-level ``build_alibi_tensor`` of its modeling module, which the model calls
+  by its global name. It is replaced by a dispatcher while a patched model of that module exists; the dispatcher
+  transforms the tensor only inside the forward pass of a patched model (a forward pre-hook on the model sets which
+  transform applies, as for BLOOM), so other Falcon models in the process are unaffected. Falcon builds its rotary
+  module even with ALiBi on and never applies it: the rotary adapter leaves such models to this one.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..methods.remap import REMAP_METHODS
+from ..spec import PatchSpec
+from .base import Adapter, Restore, run_all
+from .bloom import _active_transform, _hooks
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+FALCON_FUNCTION = "build_alibi_tensor"
+MPT_METHOD = "build_mpt_alibi_tensor"
+
+NOT_ROTARY = {m: "not rotary (ALiBi biases)" for m in ("ntk", "dynamic-ntk", "yarn", "llama3", *REMAP_METHODS)}
+
+
+def bias_transform(spec: PatchSpec) -> Transform | None:
+    """How a patch changes a built ALiBi tensor (None: unchanged)."""
+    if spec.method == "pi":
+        factor = float(spec.factor)
+        return lambda bias: bias / factor
+    if spec.method == "nope":
+        return torch.zeros_like
+    return None  # extrapolate
+
+
+class _AlibiBiasAdapter(Adapter):
+    methods = {
+        "pi": "yes: ALiBi distances / f",
+        "extrapolate": "yes: advertise f x length",
+        "nope": "yes: ALiBi removed (bias x 0)",
+    }
+    unsupported = {"alibi": "already ALiBi", **NOT_ROTARY}
+
+
+# -- MPT -------------------------------------------------------------------------------------------------------------
+
+
+def mpt_owner(model: nn.Module) -> nn.Module | None:
+    for module in model.modules():
+        if callable(getattr(module, MPT_METHOD, None)):
+            return module
+    return None
+
+
+class MptAdapter(_AlibiBiasAdapter):
+    family = "mpt"
+    title = "MPT (ALiBi)"
+    length_attr = "max_seq_len"
+
+    def detect(self, model: nn.Module) -> bool:
+        return mpt_owner(model) is not None and isinstance(getattr(model.config, self.length_attr, None), int)
+
+    def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
+        transform = bias_transform(spec)
+        if transform is None:
+            return lambda: None
+        owner = mpt_owner(model)
+        original = getattr(owner, MPT_METHOD)
+
+        @functools.wraps(original)
+        def build_mpt_alibi_tensor(*args, **kwargs):
+            return transform(original(*args, **kwargs))
+
+        setattr(owner, MPT_METHOD, build_mpt_alibi_tensor)
+        return lambda: owner.__dict__.pop(MPT_METHOD, None)
+
+
+# -- Falcon with ALiBi -----------------------------------------------------------------------------------------------
+
+
+class _Dispatcher:
+    """Replaces a modeling module's ALiBi function while patched models of that module exist."""
+
+    def __init__(self, original):
+        self.original = original
+        self.users = 0
+
+    def __call__(self, *args, **kwargs):
+        bias = self.original(*args, **kwargs)
+        transform = _active_transform.get()
+        return bias if transform is None else transform(bias)
+
+
+_dispatchers: dict[str, _Dispatcher] = {}
+
+
+def _acquire(modeling) -> Restore:
+    name = modeling.__name__
+    dispatcher = _dispatchers.get(name)
+    if dispatcher is None or getattr(modeling, FALCON_FUNCTION) is not dispatcher:
+        dispatcher = _Dispatcher(getattr(modeling, FALCON_FUNCTION))
+        setattr(modeling, FALCON_FUNCTION, dispatcher)
+        _dispatchers[name] = dispatcher
+    dispatcher.users += 1
+    released = []
+
+    def release():
+        if released:
+            return
+        released.append(True)
+        dispatcher.users -= 1
+        if dispatcher.users == 0:
+            if getattr(modeling, FALCON_FUNCTION) is dispatcher:
+                setattr(modeling, FALCON_FUNCTION, dispatcher.original)
+            if _dispatchers.get(name) is dispatcher:
+                del _dispatchers[name]
+
+    return release
+
+
+def falcon_alibi_owner(model: nn.Module) -> tuple[nn.Module, object] | None:
+    """The module that builds Falcon's ALiBi tensor (``use_alibi`` True) and the modeling module whose
+    ``build_alibi_tensor`` it calls."""
+    for module in model.modules():
+        if getattr(module, "use_alibi", None) is True:
+            modeling = sys.modules.get(type(module).__module__)
+            if callable(getattr(modeling, FALCON_FUNCTION, None)):
+                return module, modeling
+    return None
+
+
+class FalconAlibiAdapter(_AlibiBiasAdapter):
+    family = "falcon-alibi"
+    title = "Falcon (ALiBi)"
+    length_attr = "max_position_embeddings"
+
+    def detect(self, model: nn.Module) -> bool:
+        return falcon_alibi_owner(model) is not None
+
+    def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
+        transform = bias_transform(spec)
+        if transform is None:
+            return lambda: None
+        owner, modeling = falcon_alibi_owner(model)
+        undo: list[Restore] = []
+        try:
+            # released by unpatch, or when the model is garbage-collected without one
+            undo.append(weakref.finalize(owner, _acquire(modeling)))
+            undo.append(_hooks(owner, transform))
+        except BaseException:
+            run_all(undo)
+            raise
+        return functools.partial(run_all, undo)

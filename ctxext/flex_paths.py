@@ -1,0 +1,471 @@
+"""Flex-attention paths for ctxext's swapped-in attention functions (``ctxext_alibi``, ``ctxext_remap``).
+
+The chunked sdpa loops in ``ctxext.attention`` and ``ctxext.remap_attention`` keep memory bounded on any device, but
+on a GPU they are many small kernel launches with materialised boolean / float masks. Here the same computations
+run as ONE ``torch.nn.attention.flex_attention`` call (compiled on CUDA; eager on CPU, for tests) with a block mask,
+so fully masked tiles are skipped and fully visible tiles run without evaluating any mask:
+
+- ``flex_alibi``: ``score_mod`` adds the ALiBi bias ``-slope_h * (slot_i - j)`` (computed in float32 and rounded to
+  the query dtype, as ``ctxext_alibi`` hands it to sdpa, so prefill here and sdpa decoding see the same biases);
+  ``mask_mod`` = causal (in key-slot order) and the padding mask.
+- ``flex_remap``: the concat trick in one call. With K rotations, the query is ``[q_0, q_1, ..]`` along head_dim
+  (K x D; one copy when all rotations share their query positions, as STRING's do) and the key/value sequence is
+  K copies of the keys, copy c holding ``k_c`` in the c-th D slot and zeros elsewhere (values duplicated), so the
+  score of copy c is exactly ``q_c . k_c``. ``mask_mod`` keeps copy c of key j for query i iff
+  ``select(qpos_i, kpos_j) == c`` and j is causally visible and not padding: every pair is scored once, under
+  its rotation. Each copy is padded to a multiple of the block size so block boundaries never straddle copies.
+
+Both return the attention interface's layout (batch, q_len, heads, v_head_dim), or raise. Query rows that see no
+key at all (left padding) come out as zeros (the sdpa loops give them arbitrary finite values); no real row ever
+attends to them.
+
+Block masks are built once per forward pass, not per layer: a small cache keyed by the shapes, the position map,
+the positions' contents (compared with ``torch.equal``) and the identity of the tensor transformers built the mask
+in (held by weak reference, with its version counter), so the layers of one forward reuse one block mask.
+
+``flex_available(device)``: CUDA and flex importable; ``CTXEXT_FLEX=0`` turns the paths off, ``CTXEXT_FLEX=force``
+turns them on for any device (CPU runs flex eagerly: slow, O(T^2) memory; for tests only).
+
+``use_flex(query, dropout, key, value)``: the callers' test (several queries, no dropout, flex available; off CUDA
+only without autograd, as flex has no CPU backward).
+
+``alibi_attention_forward_flex`` / ``remap_attention_forward_flex`` are drop-in attention functions (same signature
+as the registered ones) that take the flex path where it applies and otherwise call the existing functions: for
+benchmarking and testing before (or without) wiring the calls into ``ctxext.attention`` / ``ctxext.remap_attention``.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+
+#: Block size of the block masks (flex's default). Key copies are padded to a multiple of it.
+BLOCK = 128
+#: ``torch.compile`` options for flex_attention and create_block_mask on CUDA. ``dynamic=None`` (automatic dynamic):
+#: the first length compiles static, a second distinct length recompiles once with dynamic shapes, later lengths
+#: reuse that. ``dynamic=False`` would recompile for every new length and, past dynamo's recompile limit, fall back
+#: to eager flex (dense O(T^2) scores): do not use it for variable-length workloads.
+COMPILE_KWARGS: dict = {"dynamic": None}
+#: Each distinct mask/score function (ALiBi, each position map, dense or compact masks) and each switch to dynamic
+#: shapes is one more compiled graph of the same function; past dynamo's ``recompile_limit`` (8 by default) dynamo
+#: silently runs flex eagerly, which materialises (B x H x Q x KV) scores. On first compile the limit is raised to
+#: at least this (None: leave dynamo's configuration alone).
+RECOMPILE_LIMIT: int | None = 64
+#: Pad q/k (and v) head dims to a power of two >= 16 before calling flex: "auto" = on CUDA only, True, False.
+PAD_DIMS: bool | str = "auto"
+#: Round the ALiBi bias to the query dtype before adding it (what ``ctxext_alibi`` does through sdpa's mask).
+ROUND_ALIBI_BIAS = True
+#: Cached block masks (a forward pass of a model needs one; a few for interleaved calls).
+CACHE_SIZE = 4
+
+_compiled: dict[str, object] = {}
+#: On CUDA, calls with fewer queries keep the sdpa loops (``CTXEXT_FLEX=force`` ignores this).
+MIN_QUERIES = 4096
+_cache: OrderedDict = OrderedDict()
+
+
+# ------------------------------------------------------------------------------------------------- availability
+
+
+def _flex_module():
+    try:
+        from torch.nn.attention import flex_attention as fa
+    except ImportError:  # torch < 2.5
+        return None
+    if not hasattr(fa, "flex_attention") or not hasattr(fa, "create_block_mask"):
+        return None
+    return fa
+
+
+def flex_available(device: torch.device | str) -> bool:
+    """Whether the flex paths should run on ``device``: CUDA with flex attention importable, unless ``CTXEXT_FLEX``
+    is ``0`` (off). ``CTXEXT_FLEX=force`` enables them on every device (CPU: eager flex, for tests)."""
+    env = os.environ.get("CTXEXT_FLEX", "").strip().lower()
+    if env in ("0", "false", "off", "no"):
+        return False
+    if _flex_module() is None:
+        return False
+    if env in ("force", "cpu", "all"):
+        return True
+    return torch.device(device).type == "cuda"
+
+
+def use_flex(query: torch.Tensor, dropout: float = 0.0, *others: torch.Tensor) -> bool:
+    """The callers' test: several queries (a prefill or full pass; decoding keeps sdpa), no dropout, flex available
+    on the query's device; off CUDA (forced, for tests) only without autograd (flex has no CPU backward)."""
+    if query.dim() != 4 or query.shape[2] <= 1 or dropout:
+        return False
+    if not flex_available(query.device):
+        return False
+    forced = os.environ.get("CTXEXT_FLEX", "").strip().lower() in ("force", "cpu", "all")
+    if not forced:
+        # Below this many queries the sdpa loops cost little and need no compilation (the first compiled call
+        # takes about a minute, measured on an H100); training (autograd through compiled flex) is untested.
+        if query.shape[2] < MIN_QUERIES or torch.is_grad_enabled() and any(
+                t.requires_grad for t in (query, *others)):
+            return False
+    if query.device.type != "cuda" and torch.is_grad_enabled() and any(
+            t.requires_grad for t in (query, *others)):
+        return False
+    return True
+
+
+def _compile_target(device: torch.device) -> bool:
+    return device.type == "cuda"
+
+
+def _raise_recompile_limit() -> None:
+    if RECOMPILE_LIMIT is None:
+        return
+    import torch._dynamo.config as dynamo_config
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if isinstance(getattr(dynamo_config, name, None), int) and getattr(dynamo_config, name) < RECOMPILE_LIMIT:
+            setattr(dynamo_config, name, RECOMPILE_LIMIT)
+            break
+
+
+def _flex_fn(device: torch.device):
+    fa = _flex_module()
+    if not _compile_target(device):
+        return fa.flex_attention  # eager (CPU): the unfused reference implementation
+    _raise_recompile_limit()
+    if "flex" not in _compiled:
+        import logging
+
+        logging.getLogger("ctxext").warning(
+            "ctxext: compiling flex attention for the swapped-in attention (first long input; about a minute, and "
+            "again once for a new length). CTXEXT_FLEX=0 keeps the uncompiled, slower sdpa path.")
+        _compiled["flex"] = torch.compile(fa.flex_attention, **COMPILE_KWARGS)
+    return _compiled["flex"]
+
+
+def _block_mask(mask_mod, batch: int, q_len: int, kv_len: int, device: torch.device):
+    fa = _flex_module()
+    if not _compile_target(device):
+        return fa.create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device, BLOCK_SIZE=BLOCK)
+    _raise_recompile_limit()
+    if "block_mask" not in _compiled:  # compiled: never materialises the (B, Q, KV) mask
+        _compiled["block_mask"] = torch.compile(fa.create_block_mask, **COMPILE_KWARGS)
+    return _compiled["block_mask"](mask_mod, batch, None, q_len, kv_len, device, BLOCK)
+
+
+def clear_cache() -> None:
+    """Drop the cached block masks."""
+    _cache.clear()
+
+
+# ------------------------------------------------------------------------------------------------------ helpers
+
+
+def _flex_dim(width: int, device: torch.device) -> int:
+    pad = PAD_DIMS if isinstance(PAD_DIMS, bool) else device.type == "cuda"
+    if not pad:
+        return width
+    return max(16, 1 << (width - 1).bit_length())
+
+
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+def _as_bool(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    return mask > torch.finfo(mask.dtype).min / 2
+
+
+def _mask_key(mask: torch.Tensor | None):
+    """(weak reference to the tensor the mask is a view of, its version, the view's geometry), or None."""
+    if mask is None:
+        return None
+    root = mask
+    while root._base is not None:
+        root = root._base
+    return (weakref.ref(root), root._version, tuple(mask.shape), tuple(mask.stride()), mask.storage_offset(),
+            root.untyped_storage().data_ptr())
+
+
+def _same_mask(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    root = a[0]()
+    return root is not None and root is b[0]() and a[1:] == b[1:]
+
+
+def _cached(key: tuple, owner, tensors: tuple, mask_key, build):
+    """A block mask for ``key``; reused while ``owner`` (the position map; compared by identity and held, so its
+    id cannot be reused by another map), ``tensors`` (compared by content) and the mask (by identity) are the
+    same, otherwise built by ``build()``."""
+    entry = _cache.get(key)
+    if entry is not None:
+        old_owner, old_tensors, old_mask_key, value = entry
+        if old_owner is owner and _same_mask(old_mask_key, mask_key) and all(
+            a.shape == b.shape and torch.equal(a, b) for a, b in zip(old_tensors, tensors)
+        ):
+            _cache.move_to_end(key)
+            return value
+    value = build()
+    _cache[key] = (owner, tuple(t.clone() for t in tensors), mask_key, value)
+    _cache.move_to_end(key)
+    while len(_cache) > CACHE_SIZE:
+        _cache.popitem(last=False)
+    return value
+
+
+def _key_validity(mask: torch.Tensor, qslot: torch.Tensor, batch: int):
+    """For a boolean (B or 1, q_len, kv_len) mask: (key validity (batch, kv_len), None) when the mask is exactly
+    ``causal (key slot <= query slot) & key validity`` (transformers' causal + padding mask); otherwise
+    (None, the mask expanded to batch) to be looked up densely (sliding windows, static-cache slots, ...)."""
+    kv_len = mask.shape[-1]
+    valid = mask.any(1)  # (B', kv_len): keys some query sees
+    keys = torch.arange(kv_len, device=mask.device)
+    rows = max(1, (64 * 2**20) // max(1, mask.shape[0] * kv_len))
+    for start in range(0, mask.shape[1], rows):
+        end = min(start + rows, mask.shape[1])
+        expect = (keys[None, None, :] <= qslot[None, start:end, None]) & valid[:, None, :]
+        if not torch.equal(expect, mask[:, start:end]):
+            return None, mask.expand(batch, *mask.shape[1:])
+    return valid.expand(batch, kv_len).contiguous(), None
+
+
+def _finish(out: torch.Tensor, width: int) -> torch.Tensor:
+    """(B, H, Q, Dv') -> the attention interface's (B, Q, H, Dv), contiguous."""
+    return out[..., :width].transpose(1, 2).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------- ALiBi
+
+
+def flex_alibi(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slopes: torch.Tensor,
+    q_start: int,
+    mask: torch.Tensor | None,
+    scaling: float | None,
+) -> torch.Tensor:
+    """Causal ALiBi attention in one flex call; what ``ctxext_alibi`` computes.
+
+    query (B, H, q_len, D); key/value (B, Hkv, kv_len, D / Dv), Hkv dividing H (GQA without repeating keys).
+    slopes: float32 (H,). Query r sits at key slot ``q_start + r``; its bias on key j is
+    ``-slopes[h] * (q_start + r - j)`` and it sees keys ``j <= q_start + r`` that ``mask`` allows.
+    mask: None or a boolean / additive (B or 1, q_len, kv_len) mask (True = attend), already cut to the last
+    kv_len keys. Returns (B, q_len, H, Dv), or None for an additive mask holding values other than 0 and the
+    dtype's minimum (a bias flex's mask_mod cannot express: the caller keeps its sdpa path).
+    """
+    batch, heads, q_len, head_dim = query.shape
+    kv_heads, kv_len = key.shape[1], key.shape[2]
+    device = query.device
+    dtype = query.dtype
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    mask_key = _mask_key(mask)  # the given mask's identity (a float mask's too: converted once per forward)
+    qslot = torch.arange(q_start, q_start + q_len, device=device)
+
+    def build():
+        if mask is None:
+            valid, dense = torch.ones(batch, kv_len, dtype=torch.bool, device=device), None
+        else:
+            allowed = _as_bool(mask)
+            if mask.dtype != torch.bool and not bool(((mask == 0) | ~allowed).all()):
+                return None  # an additive mask with values other than 0 / -inf: not a mask_mod
+            valid, dense = _key_validity(allowed, qslot, batch)
+        if dense is None:
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (kv_idx <= qslot[q_idx]) & valid[b, kv_idx]
+        else:
+            def mask_mod(b, h, q_idx, kv_idx):
+                return (kv_idx <= qslot[q_idx]) & dense[b, q_idx, kv_idx]
+        return _block_mask(mask_mod, batch, q_len, kv_len, device)
+
+    block_mask = _cached(("alibi", batch, q_len, kv_len, str(device)), None, (qslot,), mask_key, build)
+    if block_mask is None:
+        return None
+    slopes = slopes.to(device=device, dtype=torch.float32)
+    round_to = dtype if ROUND_ALIBI_BIAS and dtype != torch.float32 else None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        bias = -slopes[h] * (qslot[q_idx] - kv_idx).to(torch.float32)
+        if round_to is not None:
+            bias = bias.to(round_to)
+        return score + bias.to(score.dtype)
+
+    dq = _flex_dim(head_dim, device)
+    dv = value.shape[-1]
+    out = _flex_fn(device)(
+        _pad_last(query, dq), _pad_last(key, dq), _pad_last(value, _flex_dim(dv, device)),
+        score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=kv_heads != heads,
+    )
+    return _finish(out, dv)
+
+
+def alibi_q_start(attention_mask: torch.Tensor | None, q_len: int, kv_len: int) -> int:
+    """Where ``ctxext_alibi`` puts the queries among the keys (see ``alibi_attention_forward``)."""
+    if attention_mask is None:
+        return kv_len - 1 if q_len == 1 else 0
+    return kv_len - q_len
+
+
+# ----------------------------------------------------------------------------------------------------- remap
+
+
+def flex_remap(
+    pmap,
+    queries: list[torch.Tensor],
+    keys: list[torch.Tensor],
+    value: torch.Tensor,
+    qpos: torch.Tensor,
+    kpos: torch.Tensor,
+    slots: torch.Tensor,
+    mask: torch.Tensor | None,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention under a position map in one flex call; what ``ctxext_remap``'s chunk loop computes.
+
+    pmap: the ``PositionMap``; queries[c] (B, H, q_len, D) and keys[c] (B, Hkv, kv_len, D) rotated (and queries
+    scaled) for rotation c, as ``remap_attention_forward`` builds them; value (B, Hkv, kv_len, Dv). qpos (B, q_len)
+    and kpos (B, kv_len): the positions ``pmap.select`` takes; slots (q_len,): each query's key slot (causality).
+    mask: None or a boolean / additive (B or 1, q_len, kv_len) mask (True = attend). scaling: the softmax scale of
+    the original head dim. Returns (B, q_len, H, Dv).
+    """
+    count = len(keys)
+    batch, heads, q_len, head_dim = queries[0].shape
+    kv_heads, kv_len = keys[0].shape[1], keys[0].shape[2]
+    device = queries[0].device
+    shared = all(r.query is pmap.rotations[0].query for r in pmap.rotations[:count])
+    stride = -(-kv_len // BLOCK) * BLOCK  # each copy padded to whole blocks
+    width = head_dim if shared else count * head_dim
+    dq = _flex_dim(width, device)
+    mask_key = _mask_key(mask)  # the given mask's identity (a float mask's too: converted once per forward)
+    qpos = qpos.expand(batch, q_len).contiguous()
+    kpos = kpos.expand(batch, kv_len).contiguous()
+    slots = slots.contiguous()
+
+    def build():
+        if mask is None:
+            valid, dense = torch.ones(batch, kv_len, dtype=torch.bool, device=device), None
+        else:
+            valid, dense = _key_validity(_as_bool(mask), slots, batch)  # as the chunk loop, True = finite
+        # per flex key index (copy c, slot j): the copy, the slot, the key position, whether it is a real key
+        kslot_one = torch.arange(stride, device=device)
+        kcopy = torch.arange(count, device=device, dtype=torch.int8).repeat_interleave(stride)
+        kslot = kslot_one.clamp(max=kv_len - 1).repeat(count)
+        kpos_x = F.pad(kpos, (0, stride - kv_len)).repeat(1, count)
+        if dense is not None:  # validity comes from the dense mask
+            valid = torch.ones(batch, kv_len, dtype=torch.bool, device=device)
+        real = F.pad(valid, (0, stride - kv_len)).repeat(1, count)
+        select = pmap.select
+        if dense is None:
+            def mask_mod(b, h, q_idx, kv_idx):
+                ok = real[b, kv_idx] & (kslot[kv_idx] <= slots[q_idx])
+                return ok & (select(qpos[b, q_idx], kpos_x[b, kv_idx]) == kcopy[kv_idx])
+        else:
+            def mask_mod(b, h, q_idx, kv_idx):
+                ok = real[b, kv_idx] & (kslot[kv_idx] <= slots[q_idx]) & dense[b, q_idx, kslot[kv_idx]]
+                return ok & (select(qpos[b, q_idx], kpos_x[b, kv_idx]) == kcopy[kv_idx])
+        return _block_mask(mask_mod, batch, q_len, count * stride, device)
+
+    key_ = ("remap", batch, q_len, kv_len, count, str(device))
+    block_mask = _cached(key_, pmap, (qpos, kpos, slots), mask_key, build)
+
+    q = queries[0] if shared else torch.cat(queries[:count], dim=-1)
+    q = _pad_last(q, dq)
+    k = keys[0].new_zeros(batch, kv_heads, count, stride, dq)
+    for c in range(count):
+        lo = 0 if shared else c * head_dim
+        k[:, :, c, :kv_len, lo : lo + head_dim] = keys[c]
+    k = k.view(batch, kv_heads, count * stride, dq)
+    dv = value.shape[-1]
+    v = F.pad(value, (0, _flex_dim(dv, device) - dv, 0, stride - kv_len))
+    v = v.unsqueeze(2).expand(-1, -1, count, -1, -1).reshape(batch, kv_heads, count * stride, -1)
+    out = _flex_fn(device)(q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=kv_heads != heads)
+    return _finish(out, dv)
+
+
+# --------------------------------------------------------------------------------------- drop-in functions
+
+
+def alibi_attention_forward_flex(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                 is_causal=None, **kwargs):
+    """``ctxext_alibi`` with the flex path: flex where it applies (flex available, several queries, no dropout, a
+    causal layer, nothing dropped), else ``ctxext.attention.alibi_attention_forward``."""
+    from . import attention as A
+
+    q_len = query.shape[2]
+    causal = not getattr(module, "is_cross_attention", False) and (
+        module.is_causal if isinstance(getattr(module, "is_causal", None), bool)
+        else (is_causal if is_causal is not None else True))
+    window = kwargs.get("sliding_window")
+    if (not (causal and use_flex(query, dropout, key, value)) or A.dropped_features(kwargs)
+            or (isinstance(window, int) and attention_mask is None and key.shape[2] > window)
+            or query.shape[1] % key.shape[1] or (attention_mask is not None and attention_mask.dim() != 4)):
+        return A.alibi_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                         scaling=scaling, is_causal=is_causal, **kwargs)
+    kv_len = key.shape[2]
+    mask = None if attention_mask is None else attention_mask[..., -kv_len:][:, 0]
+    q_start = alibi_q_start(attention_mask, q_len, kv_len)
+    out = flex_alibi(query, key, value, A._slopes(query.shape[1], query.device), q_start, mask, scaling)
+    if out is None:
+        return A.alibi_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                         scaling=scaling, is_causal=is_causal, **kwargs)
+    return out, None
+
+
+def remap_attention_forward_flex(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                 is_causal=None, **kwargs):
+    """``ctxext_remap`` with the flex path replacing its chunk loop (same preamble and fast path as
+    ``ctxext.remap_attention.remap_attention_forward``); falls back to that function where flex does not apply."""
+    from . import remap_attention as R
+
+    state = getattr(module, R.STATE_ATTR, None)
+    q_len = query.shape[2]
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if (state is None or not (causal and use_flex(query, dropout, key, value))
+            or kwargs.get("softcap") is not None or query.shape[1] % key.shape[1]
+            or (attention_mask is not None and attention_mask.dim() != 4)):
+        return R.remap_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                         scaling=scaling, is_causal=is_causal, **kwargs)
+    batch, heads, q_len, head_dim = query.shape
+    kv_len = key.shape[2]
+    scaling = head_dim**-0.5 if scaling is None else scaling
+    if attention_mask is not None:
+        attention_mask = attention_mask[..., -kv_len:]
+    pmap = state.map
+    inv_freq = state.frequencies(query.device)
+    att = state.attention_scaling
+    slots, qpos, kpos, last = R._positions(query, attention_mask, q_len, kv_len, kwargs)
+    if attention_mask is None:
+        first_key = kpos[:, 0]
+    else:
+        seen = R._as_bool(attention_mask[:, 0]).expand(batch, q_len, kv_len)
+        seen = seen[torch.arange(batch, device=query.device), last]
+        first = torch.where(seen, torch.arange(kv_len, device=query.device), kv_len - 1).amin(-1)
+        first_key = kpos.gather(1, first[:, None])[:, 0]
+    farthest = int((qpos.amax(-1) - first_key).amax())
+    if farthest < pmap.near or int(qpos.amax()) < pmap.plain_below:
+        # the fast path (plain RoPE attention through sdpa): the existing function takes it
+        return R.remap_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                         scaling=scaling, is_causal=is_causal, **kwargs)
+    if pmap.query_scale is not None:
+        query = query * pmap.query_scale(qpos).to(query.dtype)[:, None, :, None]
+    keys = [R.rotate(key, r.key(kpos), inv_freq, att) for r in pmap.rotations]
+    queries = [R.rotate(query, r.query(qpos), inv_freq, att) for r in pmap.rotations]
+    mask = None if attention_mask is None else attention_mask[:, 0]  # converted (> min / 2) in flex_remap
+    return flex_remap(pmap, queries, keys, value, qpos, kpos, slots, mask, scaling), None
+
+
+__all__ = [
+    "alibi_attention_forward_flex",
+    "alibi_q_start",
+    "clear_cache",
+    "flex_alibi",
+    "flex_available",
+    "flex_remap",
+    "remap_attention_forward_flex",
+    "use_flex",
+]
