@@ -141,10 +141,53 @@ def _rope_fields(spec: PatchSpec, rope_type: str) -> dict[str, Any]:
     return out
 
 
-def _rotary_candidates(config: Any, spec: PatchSpec, base: float, dim: int) -> list[dict[str, Any]]:
+def _composed_updates(spec: PatchSpec, preset: str, rope: dict[str, Any], base: float, dim: int,
+                      attention_scaling: float) -> dict[str, Any]:
+    """The changes to a shipped scaled rope type's settings (``rope``) that compute ``spec`` composed on it, where
+    transformers has such a form (each is still verified): ``pi`` on ``linear`` x a is ``linear`` x (a * f); ``ntk``
+    is the same rope type with rope_theta = base * f^(d/(d-2)) (exact for ``linear``; for the others verification
+    decides); ``pi`` on ``longrope`` multiplies the long factors by f; ``extrapolate`` keeps the settings (only the
+    advertised length grows). A ``longrope`` form writes its attention factor explicitly (transformers would
+    otherwise derive it from the new advertised length)."""
+    method, f = spec.method, float(spec.factor)
+    updates: dict[str, Any] = {}
+    if method == "pi" and preset == "linear" and isinstance(rope.get("factor"), (int, float)):
+        updates["factor"] = float(rope["factor"]) * f
+    elif method == "pi" and preset == "longrope" and isinstance(rope.get("long_factor"), (list, tuple)):
+        updates["long_factor"] = [float(x) * f for x in rope["long_factor"]]
+    elif method == "ntk":
+        updates["rope_theta"] = base * f ** (dim / (dim - 2))
+    elif method != "extrapolate":
+        raise NoNativeForm(f"{method} x{f:g} composed on the shipped rope type {preset!r} has no transformers-native "
+                           "form (no transformers rope type computes it)")
+    if preset == "longrope":
+        updates["attention_factor"] = float(attention_scaling)
+    return updates
+
+
+def _rotary_candidates(config: Any, spec: PatchSpec, base: float, dim: int, preset: str = "default",
+                       attention_scaling: float = 1.0) -> list[dict[str, Any]]:
     """Native config changes for ``spec``, one per RoPE config API the config may have (5.x ``rope_parameters``,
-    4.x ``rope_scaling`` + ``rope_theta`` / ``rotary_emb_base``); each is verified before use."""
+    4.x ``rope_scaling`` + ``rope_theta`` / ``rotary_emb_base``); each is verified before use. ``preset``: the rope
+    type the model ships (a method composed on a scaled one, see ``_composed_updates``)."""
     method = spec.method
+    if preset != "default":
+        candidates = []
+        params = getattr(config, "rope_parameters", None)
+        if isinstance(params, dict) and params.get("rope_type") == preset:
+            rope = {**params, **_composed_updates(spec, preset, params, base, dim, attention_scaling)}
+            candidates.append({"rope_parameters": rope, "max_position_embeddings": spec.patched_length})
+        scaling = getattr(config, "rope_scaling", None)
+        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == preset:
+            updates = _composed_updates(spec, preset, scaling, base, dim, attention_scaling)
+            theta = updates.pop("rope_theta", None)
+            changes = {"rope_scaling": {**scaling, **updates}, "max_position_embeddings": spec.patched_length}
+            if theta is not None:
+                for key in ("rope_theta", "rotary_emb_base"):
+                    if isinstance(getattr(config, key, None), (int, float)):
+                        changes[key] = theta
+            candidates.append(changes)
+        return candidates
     if method not in (*_NATIVE_ROPE, "ntk", "extrapolate"):
         raise NoNativeForm(_no_form_reason(spec, "LLaMA-family (rotary)"))
     length = spec.original_length if method == "dynamic-ntk" else spec.patched_length
@@ -212,16 +255,17 @@ def _config_with(config: Any, changes: dict[str, Any]):
         hf_logging.set_verbosity(verbosity)
 
 
-def _verify_rotary(model: nn.Module, spec: PatchSpec, changes: dict[str, Any]) -> str | None:
-    """None where transformers' rotary modules built from the native config equal the patched ones; else why not."""
-    from .adapters.rotary import rope_inputs, rotary_modules
+def _verify_rotary(model: nn.Module, spec: PatchSpec, changes: dict[str, Any], preset: str = "default") -> str | None:
+    """None where transformers' rotary modules built from the native config equal the patched ones; else why not.
+    A ``longrope`` module is compared on both its sets (short: ``original_inv_freq``; long: ``long_inv_freq``)."""
+    from .adapters.rotary import RotaryUnit, long_frequencies, rotary_modules, unit_inputs
     from .methods import rope as rope_methods
 
     try:
         config = _config_with(model.config, changes)
     except Exception as exc:  # noqa: BLE001 - transformers refuses the candidate config
         return f"transformers refuses the native config ({type(exc).__name__}: {exc})"
-    expected_type = _NATIVE_ROPE.get(spec.method, "default")
+    expected_type = _NATIVE_ROPE.get(spec.method, "default") if preset == "default" else preset
     for name, module in rotary_modules(model):
         try:
             native = _native_rotary(module, config)
@@ -229,6 +273,20 @@ def _verify_rotary(model: nn.Module, spec: PatchSpec, changes: dict[str, Any]) -
             return f"transformers cannot build {type(module).__name__} from the native config ({exc})"
         if native.rope_type != expected_type:
             return f"transformers reads rope type {native.rope_type!r} from it, not {expected_type!r}"
+        if preset == "longrope":
+            try:
+                native_long = long_frequencies(RotaryUnit(name, native))
+            except PatchError as exc:
+                return str(exc)
+            patched_long = getattr(module, "long_inv_freq", None)
+            if patched_long is None:
+                patched_long = long_frequencies(RotaryUnit(name, module))
+            if not _close(native.original_inv_freq, module.original_inv_freq) or not _close(native_long, patched_long):
+                return f"its short or long frequencies differ from the patched ones in {name or 'the rotary module'}"
+            if not math.isclose(native.attention_scaling, module.attention_scaling, rel_tol=RTOL, abs_tol=0):
+                return (f"its attention scale {native.attention_scaling} differs from the patched "
+                        f"{module.attention_scaling}")
+            continue
         if spec.method != "dynamic-ntk":
             if not _close(native.inv_freq, module.inv_freq):
                 return f"its rotary frequencies differ from the patched ones in {name or 'the rotary module'}"
@@ -236,7 +294,7 @@ def _verify_rotary(model: nn.Module, spec: PatchSpec, changes: dict[str, Any]) -
                 return (f"its attention scale {native.attention_scaling} differs from the patched "
                         f"{module.attention_scaling}")
             continue
-        inputs = rope_inputs(name, module, spec.original_length)
+        inputs = unit_inputs(RotaryUnit(name, module), spec.original_length, spec.method)
         x = torch.zeros(1, 1, 1, dtype=torch.float32, device=module.inv_freq.device)
         lengths = sorted({spec.original_length, spec.original_length + 1, 2 * spec.original_length,
                           spec.patched_length, 2 * spec.patched_length + 3})
@@ -249,16 +307,21 @@ def _verify_rotary(model: nn.Module, spec: PatchSpec, changes: dict[str, Any]) -
 
 
 def _rotary_form(model: nn.Module, spec: PatchSpec) -> NativeForm:
-    from .adapters.rotary import rope_inputs, rotary_modules
+    from .adapters.rotary import RotaryUnit, rotary_modules, unit_inputs
 
     modules = rotary_modules(model)
     if not modules or any(getattr(m, "config", None) is not model.config for _, m in modules):
         raise NoNativeForm("the rotary modules do not read the model's own config (a nested text config); "
                            "ctxext writes native forms for top-level configs only")
-    inputs = rope_inputs(*modules[0], spec.original_length)
+    try:
+        inputs = unit_inputs(RotaryUnit(*modules[0]), spec.original_length, spec.method)
+    except PatchError as exc:
+        raise NoNativeForm(str(exc)) from exc
     reasons = []
-    for changes in _rotary_candidates(model.config, spec, inputs.base, inputs.dim):
-        problem = _verify_rotary(model, spec, changes)
+    # a longrope form writes the patched attention factor (pi / ntk / extrapolate keep the shipped one)
+    for changes in _rotary_candidates(model.config, spec, inputs.base, inputs.dim, inputs.preset,
+                                      modules[0][1].attention_scaling):
+        problem = _verify_rotary(model, spec, changes, inputs.preset)
         if problem is None:
             rope = changes.get("rope_parameters") or changes.get("rope_scaling") or {}
             what = f"rope type {rope.get('rope_type', 'default')!r}"

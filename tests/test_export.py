@@ -154,26 +154,32 @@ def test_a_native_form_that_does_not_verify_is_never_written(tmp_path, monkeypat
         _plain(AutoModelForCausalLM.from_pretrained, tmp_path)
 
 
-def test_a_model_with_a_scaled_rope_config_is_refused():
-    """A model that already ships a scaled rope type (here llama3): patching, hence exporting, refuses clearly."""
-    model = tiny_llama(rope_parameters={"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0,
-                                        "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
-    with pytest.raises(ctxext.PatchError, match="already uses transformers rope_type 'llama3'"):
+def test_a_model_with_a_dynamic_rope_config_is_refused():
+    """A model whose rope type recomputes its frequencies in every forward (dynamic): patching, hence exporting,
+    refuses clearly (methods compose on linear / yarn / llama3 / longrope: tests/test_scaled_rope.py)."""
+    model = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ctxext.PatchError, match="rope_type 'dynamic', which recomputes its frequencies"):
         ctxext.patch(model, "yarn", 2)
 
 
 def test_a_plain_load_of_a_native_export_is_a_plain_model(tmp_path):
     """Loaded without ctxext, a native export is what its config says (rope type yarn): ctxext.patch does not put
-    the original config back under it, and refuses to stack a method on the scaled rope."""
+    the original config back under it; a method patched on it composes on the shipped yarn frequencies, with the
+    exported advertised length as the original one."""
     from transformers import AutoModelForCausalLM
 
     model = tiny_llama()
     ctxext.patch(model, "yarn", 4)
     model.save_pretrained(tmp_path)
     plain = _plain(AutoModelForCausalLM.from_pretrained, tmp_path)
-    with pytest.raises(ctxext.PatchError, match="already uses transformers rope_type 'yarn'"):
-        ctxext.patch(plain, "pi", 2)
     assert plain.config.max_position_embeddings == 4 * L0
+    shipped = plain.model.rotary_emb.inv_freq.clone()
+    ctxext.patch(plain, "pi", 2)
+    assert ctxext.describe(plain)["original_length"] == 4 * L0
+    assert plain.config.max_position_embeddings == 8 * L0
+    torch.testing.assert_close(plain.model.rotary_emb.inv_freq, shipped / 2, rtol=1e-6, atol=0)
+    ctxext.unpatch(plain)
+    assert torch.equal(plain.model.rotary_emb.inv_freq, shipped)
 
 
 def test_unpatch_then_save_is_an_ordinary_checkpoint(tmp_path):
@@ -331,7 +337,7 @@ def test_cli_export_refuses_sources_and_outputs(tmp_path, llama_dir, capsys):
     assert_refused(["export", gpt2, "--method", "yarn", "--factor", "2", "--out", tmp_path / "o2"], capsys, tmp_path,
                    "does not fit")
     scaled = tmp_path / "scaled"
-    tiny_llama(rope_parameters={"rope_type": "linear", "factor": 2.0}).save_pretrained(scaled)
+    tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0}).save_pretrained(scaled)
     assert_refused(["export", scaled, *ok, "--out", tmp_path / "o3"], capsys, tmp_path,
-                   "already uses transformers rope_type 'linear'")
+                   "rope_type 'dynamic', which recomputes its frequencies")
     assert tree_digest(out) == {"keep.txt": tree_digest(out)["keep.txt"]}

@@ -4,6 +4,14 @@ Acts on the rotary-embedding modules of transformers 5.x (Llama, Mistral, Qwen2,
 with ``inv_freq`` / ``original_inv_freq`` buffers, an ``attention_scaling`` float and a string ``rope_type``.
 Those modules compute cos/sin as ``position * inv_freq`` scaled by ``attention_scaling``, so a static method
 only rewrites ``inv_freq`` in place and sets ``attention_scaling``: the attention path (sdpa, flash) is untouched.
+
+Models that ship scaled RoPE (rope types ``linear``, ``yarn``, ``llama3``, ``longrope``: Llama 3.1-3.3, Qwen2.5 with
+its YaRN config, Phi-3 ...): the scaling methods (``COMPOSE_METHODS``) compose on the frequencies the module uses,
+with the advertised ``max_position_embeddings`` as the original length (``unit_inputs``); the attention factor is
+the shipped one times the method's. ``longrope`` switches between a short and a long set by sequence length in
+every forward; the method rewrites the long set (``long_inv_freq``) and the switch stays. ``dynamic`` rope types
+recompute ``inv_freq`` in every forward and are refused, as are the methods that replace the rotation (NoPE, the
+ALiBi swap, the attention-remap methods) on any scaled type.
 """
 
 from __future__ import annotations
@@ -143,10 +151,10 @@ def rope_inputs(name: str, module: nn.Module, original_length: int) -> rope.Rope
     return unit_inputs(RotaryUnit(name, module), original_length)
 
 
-def _rotary_output(unit: RotaryUnit) -> torch.Tensor:
+def _rotary_output(unit: RotaryUnit, start: int = 1) -> torch.Tensor:
     inv_freq = unit.inv_freq
     x = torch.zeros(1, 2, 2 * inv_freq.numel(), dtype=torch.float32, device=inv_freq.device)
-    position_ids = torch.tensor([[1, 2]], device=inv_freq.device)
+    position_ids = torch.tensor([[start, start + 1]], device=inv_freq.device)
     with torch.no_grad():  # .forward: without the module's hooks (a dynamic-NTK hook would rewrite inv_freq)
         if unit.layer_type is None:
             out = unit.module.forward(x, position_ids)
@@ -156,33 +164,69 @@ def _rotary_output(unit: RotaryUnit) -> torch.Tensor:
     return torch.cat([torch.view_as_real(p).flatten(-2) if p.is_complex() else p.float() for p in parts], dim=-1)
 
 
+def _long_state(unit: RotaryUnit):
+    """A snapshot of a longrope module's lazily computed ``long_inv_freq`` attribute (a plain attribute, not a
+    buffer; transformers sets it in the first forward), and the function that puts it back exactly."""
+    name = unit.prefix + "long_inv_freq"
+    present = name in vars(unit.module)
+    value = vars(unit.module).get(name)
+    saved = value.detach().clone() if isinstance(value, torch.Tensor) else value
+
+    def restore():
+        if not present:
+            vars(unit.module).pop(name, None)
+            return
+        setattr(unit.module, name, value)
+        if isinstance(value, torch.Tensor):
+            with torch.no_grad():
+                value.copy_(saved)
+
+    return restore
+
+
 def unread_surface(unit: RotaryUnit) -> str | None:
     """Whether the module's forward reads the buffers a patch rewrites, probed on the module alone: its output with
     the original frequencies, with them halved, and with ``attention_scaling`` doubled (everything put back exactly;
     the original frequencies, not the current ones, so that a model patched with zero frequencies probes alike).
     Some modules recompute their frequencies from the config in every forward (Phimoe in transformers 5.x), so
-    a patch of the buffers would change nothing. Returns why not, or None."""
+    a patch of the buffers would change nothing. A ``longrope`` module copies its short or long set into
+    ``inv_freq`` in every forward, so there the probe rewrites the long set (``long_inv_freq``, what a patch
+    rewrites) and runs past ``original_max_position_embeddings``. Returns why not, or None."""
+    longrope = unit.rope_type == "longrope"
     saved_freq = unit.inv_freq.detach().clone()
     saved_scaling = unit.attention_scaling
-    original = unit.original_inv_freq.detach().clone()
+    restore_long = _long_state(unit)
     try:
-        with torch.no_grad():
-            unit.inv_freq.copy_(original)
+        if longrope:
+            name, start = unit.prefix + "long_inv_freq", _longrope_original(unit)
+            original = long_frequencies(unit).to(unit.inv_freq.device)
+        else:
+            start, original = 1, unit.original_inv_freq.detach().clone()
+
+        def output(freq: torch.Tensor) -> torch.Tensor:
+            if longrope:
+                setattr(unit.module, name, freq.clone())
+            else:
+                with torch.no_grad():
+                    unit.inv_freq.copy_(freq)
+            return _rotary_output(unit, start)
+
         unit.attention_scaling = 1.0
-        base = _rotary_output(unit)
-        with torch.no_grad():
-            unit.inv_freq.copy_(original * 0.5)
-        halved = _rotary_output(unit)
-        with torch.no_grad():
-            unit.inv_freq.copy_(original)
+        base = output(original)
+        halved = output(original * 0.5)
         unit.attention_scaling = 2.0
-        doubled = _rotary_output(unit)
+        doubled = output(original)
     except Exception as exc:  # a forward this probe cannot call: say so rather than guess
         return f"ctxext could not probe its forward ({type(exc).__name__}: {exc}) to confirm a patch acts on it"
     finally:
         with torch.no_grad():
             unit.inv_freq.copy_(saved_freq)
         unit.attention_scaling = saved_scaling
+        restore_long()
+    if torch.equal(halved, base) and longrope:
+        return ("its rope_type 'longrope' forward recomputes its long frequencies from the config instead of reading "
+                "long_inv_freq (as older transformers 5.x releases do, e.g. 5.0-5.12), so a patch would change "
+                "nothing; a newer transformers, or rope_type 'default', lets ctxext patch it")
     if torch.equal(halved, base):
         return ("its forward does not read its inv_freq buffer (it recomputes the frequencies), so a patch would "
                 "change nothing")
@@ -191,12 +235,90 @@ def unread_surface(unit: RotaryUnit) -> str | None:
     return None
 
 
-def unit_inputs(unit: RotaryUnit, original_length: int) -> rope.RopeInputs:
-    if unit.rope_type != "default":
-        raise PatchError(
-            f"rotary module {unit.name} already uses transformers rope_type {unit.rope_type!r}; ctxext "
-            "methods start from plain RoPE. Load the model with rope_parameters rope_type='default' to patch it."
-        )
+#: Shipped (transformers) rope types whose frequencies ctxext's methods compose on, and the methods that compose.
+#: ``dynamic`` types recompute their frequencies from the sequence length in every forward, so they are refused.
+COMPOSE_PRESETS = ("linear", "yarn", "llama3", "longrope")
+COMPOSE_METHODS = ("pi", "ntk", "yarn", "llama3", "extrapolate", "dynamic-ntk")
+
+
+def preset_refusal(kind: str, method: str | None) -> str | None:
+    """Why ``method`` cannot compose on a module that ships rope type ``kind`` (None: it composes)."""
+    if kind == "default":
+        return None
+    if "dynamic" in kind:
+        return (f"uses transformers rope_type {kind!r}, which recomputes its frequencies from the sequence length in "
+                "every forward (dynamic_rope_update), so a patch of its buffers would be overwritten at run time; "
+                "load the model with rope_parameters rope_type='default' to patch it")
+    if kind not in COMPOSE_PRESETS:
+        return (f"uses transformers rope_type {kind!r}; ctxext composes its methods only on plain RoPE and on the "
+                f"rope types {', '.join(COMPOSE_PRESETS)}")
+    if method is None:
+        return (f"already uses transformers rope_type {kind!r}; this ctxext path starts from plain RoPE. Load the "
+                "model with rope_parameters rope_type='default' to use it")
+    if method not in COMPOSE_METHODS:
+        return (f"already uses transformers rope_type {kind!r}; method {method!r} replaces the rotary positions "
+                f"rather than scaling them and is not defined on a shipped scaled RoPE (methods that compose on it: "
+                f"{', '.join(COMPOSE_METHODS)}); load the model with rope_parameters rope_type='default' to use it")
+    if kind == "longrope" and method == "dynamic-ntk":
+        return ("already uses transformers rope_type 'longrope', which switches its frequencies by sequence length "
+                "itself; dynamic-ntk would be overwritten by that switch (use a static method: "
+                f"{', '.join(m for m in COMPOSE_METHODS if m != 'dynamic-ntk')})")
+    return None
+
+
+def _rope_init_function(kind: str):
+    try:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    except ImportError:  # pragma: no cover - every supported release has it
+        return None
+    fn = ROPE_INIT_FUNCTIONS.get(kind) if isinstance(ROPE_INIT_FUNCTIONS, dict) else None
+    return fn if callable(fn) else None
+
+
+def _shipped(unit: RotaryUnit, kind: str, seq_len: int | None = None) -> torch.Tensor:
+    """The float32 frequencies transformers' own init function for ``kind`` computes from the module's config."""
+    fn = _rope_init_function(kind)
+    if fn is None:
+        raise PatchError(f"rotary module {unit.name}: this transformers has no init function for rope_type {kind!r}")
+    kwargs = {"layer_type": unit.layer_type} if unit.layer_type else {}
+    if seq_len is not None:
+        kwargs["seq_len"] = seq_len
+    try:
+        inv_freq, _ = fn(unit.module.config, None, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - a config transformers' function cannot read
+        raise PatchError(f"rotary module {unit.name}: transformers cannot recompute its rope_type {kind!r} "
+                         f"frequencies from its config ({type(exc).__name__}: {exc})") from exc
+    return inv_freq.detach().to("cpu", torch.float32)
+
+
+def _longrope_original(unit: RotaryUnit) -> int:
+    params = getattr(unit.module.config, "rope_parameters", None) or {}
+    if unit.layer_type is not None and isinstance(params, dict):
+        params = params.get(unit.layer_type) or {}
+    # a 4.x config may carry a rope_parameters attribute it ignores: only one that names longrope counts
+    ok = isinstance(params, dict) and params.get("rope_type") == "longrope"
+    value = params.get("original_max_position_embeddings") if ok else None
+    if not isinstance(value, int):
+        raise PatchError(f"rotary module {unit.name} (rope_type 'longrope') has no integer "
+                         "rope_parameters['original_max_position_embeddings'] (the transformers 5.x surface its "
+                         "switch reads); ctxext composes on longrope only there")
+    return value
+
+
+def long_frequencies(unit: RotaryUnit) -> torch.Tensor:
+    """A longrope module's long frequency set (what it uses past original_max_position_embeddings), float32."""
+    return _shipped(unit, "longrope", seq_len=_longrope_original(unit) + 1)
+
+
+def unit_inputs(unit: RotaryUnit, original_length: int, method: str | None = None) -> rope.RopeInputs:
+    """The frequencies ``method`` starts from on ``unit``: plain RoPE (checked against base**(-2i/d)), or the
+    frequencies a shipped scaled rope type (``COMPOSE_PRESETS``) actually uses, checked against transformers' own
+    init function for that type (for ``longrope`` its long set), with the shipped attention factor. PatchError where
+    ``method`` does not compose on the unit's rope type (``method=None``: plain RoPE only)."""
+    kind = unit.rope_type
+    reason = preset_refusal(kind, method)
+    if reason:
+        raise PatchError(f"rotary module {unit.name} {reason}")
     stored = unit.original_inv_freq.detach()
     inv_freq = stored.float()
     dim = 2 * inv_freq.numel()
@@ -206,6 +328,15 @@ def unit_inputs(unit: RotaryUnit, original_length: int) -> rope.RopeInputs:
     # Guard against a rotary module of the same shape but another frequency formula. A model cast with
     # ``.to(torch.bfloat16)`` (or .half()) rounds the buffer too, so the check allows that dtype's rounding.
     rtol = max(1e-4, torch.finfo(stored.dtype).eps)
+    if kind != "default":
+        shipped = _shipped(unit, kind)
+        if shipped.shape != inv_freq.shape or not torch.allclose(inv_freq.cpu(), shipped, rtol=rtol, atol=0):
+            raise PatchError(f"rotary module {unit.name}: its frequencies are not what transformers' rope_type "
+                             f"{kind!r} computes from its config; ctxext does not know this rotary variant")
+        if kind == "longrope":  # the set the model uses at its advertised length (transformers' own, lazily set)
+            shipped = long_frequencies(unit)
+        return rope.RopeInputs(inv_freq=shipped, base=float(bases[0]), dim=dim, original_length=int(original_length),
+                               preset=kind, attention_scaling=float(unit.attention_scaling))
     exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
     matching = [b for b in bases if torch.allclose(inv_freq.cpu().double(), 1.0 / (b**exponents), rtol=rtol, atol=0)]
     base = matching[0] if matching else bases[0]
@@ -328,7 +459,7 @@ class RotaryAdapter(Adapter):
         if spec.original_length is None:
             raise PatchError(f"{type(model).__name__} config has no {self.length_attr}; cannot scale RoPE")
         for unit in rotary_units(model):
-            unit_inputs(unit, spec.original_length)
+            unit_inputs(unit, spec.original_length, spec.method)
             reason = unread_surface(unit)
             if reason:
                 raise PatchError(f"rotary module {unit.name} of {type(model).__name__}: {reason}; refused")
@@ -348,15 +479,23 @@ class RotaryAdapter(Adapter):
         try:
             dynamic: dict[int, tuple[nn.Module, list]] = {}
             for unit in rotary_units(model):
+                inputs = unit_inputs(unit, spec.original_length, spec.method)
                 undo.append(_unit_saver(unit))
-                inputs = unit_inputs(unit, spec.original_length)
                 if spec.method == "dynamic-ntk":
                     dynamic.setdefault(id(unit.module), (unit.module, []))[1].append((unit, inputs))
+                    continue
+                inv_freq, attention_factor = STATIC_METHODS[spec.method](inputs, spec.factor, **spec.options)
+                if inputs.preset == "longrope":
+                    # transformers copies the short (original_inv_freq) or the long set into inv_freq in every
+                    # forward, by sequence length: the method acts on the long set, the switch stays
+                    setattr(unit.module, unit.prefix + "long_inv_freq",
+                            inv_freq.to(device=unit.inv_freq.device, dtype=torch.float32))
                 else:
-                    inv_freq, attention_factor = STATIC_METHODS[spec.method](inputs, spec.factor, **spec.options)
                     with torch.no_grad():
                         unit.inv_freq.copy_(inv_freq)
-                    unit.attention_scaling = attention_factor
+                # composes: the shipped attention factor (1.0 on plain RoPE) times the method's
+                unit.attention_scaling = attention_factor if inputs.preset == "default" else \
+                    inputs.attention_scaling * attention_factor
             for module, targets in dynamic.values():
                 hook = DynamicNTKHook(targets, spec.factor)
                 handle = module.register_forward_pre_hook(hook, with_kwargs=True)
@@ -406,6 +545,7 @@ def _unit_saver(unit: RotaryUnit) -> Restore:
     attention_scaling = unit.attention_scaling
     original = unit.original_inv_freq
     aliased = original is unit.inv_freq
+    restore_long = _long_state(unit)  # a longrope module's long set (absent until its first forward)
     if aliased:
         unit.original_inv_freq = original.detach().clone()
 
@@ -413,6 +553,7 @@ def _unit_saver(unit: RotaryUnit) -> Restore:
         with torch.no_grad():
             unit.inv_freq.copy_(inv_freq.to(unit.inv_freq.device))
         unit.attention_scaling = attention_scaling
+        restore_long()
         if aliased:
             unit.original_inv_freq = unit.inv_freq
 

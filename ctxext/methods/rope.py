@@ -5,6 +5,20 @@ returns ``(inv_freq, attention_factor)``, like the functions in transformers' ``
 
 Every method is written as ``original_inv_freq * multiplier`` with the multiplier computed in float64. With
 ``factor == 1`` every multiplier is exactly 1.0, so a factor-1 patch reproduces the original model bit for bit.
+
+Models that ship scaled RoPE (transformers rope types ``linear``, ``yarn``, ``llama3``, ``longrope``): the methods
+compose on the frequencies the model actually uses. ``RopeInputs.inv_freq`` is then the shipped frequencies (for
+``longrope`` its long set), ``original_length`` the length the model advertises (``max_position_embeddings``),
+``preset`` the shipped rope type and ``attention_scaling`` the shipped attention factor; the returned attention
+factor is the method's own, which the adapter multiplies by the shipped one. Every multiplier above is written per
+frequency, so each method has one meaning on any starting set:
+
+* ``pi``: every frequency divided by ``factor``;
+* ``ntk``: frequency i multiplied by ``factor ** (-2i / (d - 2))``, which on plain RoPE is exactly the base change
+  ``base * factor ** (d / (d - 2))`` (``ntk_scale``);
+* ``yarn`` / ``llama3``: the ramp is decided by each frequency's wavelength against ``original_length`` (for
+  ``yarn`` through the index a plain-RoPE frequency of that wavelength would have, see ``yarn``);
+* ``extrapolate``: frequencies unchanged.
 """
 
 from __future__ import annotations
@@ -22,7 +36,11 @@ class RopeInputs:
     inv_freq: torch.Tensor  # (dim/2,), float32
     base: float  # rope_theta
     dim: int  # rotary dimension (head_dim * partial_rotary_factor)
-    original_length: int  # context length the model was trained to
+    original_length: int  # context length the model was trained to (advertises)
+    #: transformers rope type the frequencies come from ("default": plain RoPE, base ** (-2i/d))
+    preset: str = "default"
+    #: the attention factor the model ships with (1.0 for plain RoPE); the adapter multiplies the method's by it
+    attention_scaling: float = 1.0
 
 
 def _scaled(r: RopeInputs, multiplier: torch.Tensor) -> torch.Tensor:
@@ -43,7 +61,9 @@ def position_interpolation(r: RopeInputs, factor: float) -> tuple[torch.Tensor, 
 def ntk_scale(r: RopeInputs, factor: float) -> tuple[torch.Tensor, float]:
     """Static NTK-aware scaling: base' = base * factor ** (d / (d - 2)).
 
-    base'^(-2i/d) = base^(-2i/d) * factor^(-2i/(d-2)), so the multiplier needs no base.
+    base'^(-2i/d) = base^(-2i/d) * (factor^(d/(d-2)))^(-2i/d) = base^(-2i/d) * factor^(-2i/(d-2)), so the method is
+    a per-frequency multiplier that needs no base: on shipped scaled frequencies it composes as that multiplier
+    (the highest frequency, i = 0, is kept; the lowest, i = d/2 - 1, is divided by ``factor``).
     """
     return _scaled(r, factor ** (-_pair_index(r) / (r.dim - 2))), 1.0
 
@@ -70,6 +90,15 @@ def _yarn_correction_dim(num_rotations: float, r: RopeInputs) -> float:
     return (r.dim * math.log(r.original_length / (num_rotations * 2 * math.pi))) / (2 * math.log(r.base))
 
 
+def _yarn_index(r: RopeInputs) -> torch.Tensor:
+    """The frequency index the yarn ramp runs over: i itself on plain RoPE; on shipped scaled frequencies the index
+    a plain-RoPE frequency of the same wavelength has, -d * ln(inv_freq) / (2 ln base)."""
+    if r.preset == "default":
+        return torch.arange(r.dim // 2, dtype=torch.float64)
+    inv = r.inv_freq.detach().to("cpu", torch.float64)
+    return -r.dim * torch.log(inv) / (2 * math.log(r.base))
+
+
 def yarn(
     r: RopeInputs,
     factor: float,
@@ -84,6 +113,12 @@ def yarn(
 
     Dimensions that rotate more than ``beta_fast`` times over the original length keep their frequency,
     those rotating fewer than ``beta_slow`` times are interpolated by ``factor``, a linear ramp in between.
+
+    On plain RoPE the ramp runs over the frequency index i, as transformers' ``yarn`` does. On shipped scaled
+    frequencies (``r.preset != "default"``) each frequency takes the index a plain-RoPE frequency of the same
+    wavelength would have, t = -d * ln(inv_freq) / (2 ln base) (t = i on plain RoPE), so the ramp is decided by its
+    wavelength against ``r.original_length`` with the same thresholds (``truncate`` rounds the thresholds in that
+    index space, as on plain RoPE).
     """
     low = _yarn_correction_dim(beta_fast, r)
     high = _yarn_correction_dim(beta_slow, r)
@@ -92,7 +127,7 @@ def yarn(
     low, high = max(low, 0), min(high, r.dim - 1)
     if low == high:
         high += 0.001  # avoid a division by zero, as the reference does
-    ramp = ((torch.arange(r.dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    ramp = ((_yarn_index(r) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: extrapolate (keep frequency), 0: interpolate (divide by factor)
     multiplier = 1.0 / factor + (1.0 - 1.0 / factor) * keep
 
