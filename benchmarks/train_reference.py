@@ -27,13 +27,18 @@ The shipped GPT-2 and BLOOM come from the default command (byte-identical on re-
 from ``--models llama --threads 2 --dtype bfloat16``. Write trial runs elsewhere with ``--out``: the default
 replaces the shipped checkpoints.
 
+``--repeat-fraction`` / ``--passkey-fraction`` (off by default) mix long-range structure into the training windows:
+an earlier span repeated later, a pass key sentence and its question (issue 13; see ``make_structure``).
+
 ``--eval-only`` skips training and measures the checkpoints in ``--out`` at 1x, 2x, 4x and 8x the
-training length (LLaMA also with pi / ntk / yarn), the numbers in ``benchmarks/reference_training.md``.
+training length (LLaMA also with ``--eval-methods``, default pi / ntk / yarn), the numbers in
+``benchmarks/reference_training.md``; ``--recall`` adds a copy probe (a held-out passage repeated at the window's end).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import lzma
@@ -184,6 +189,29 @@ def perplexity(model, ids, length: int, max_tokens: int | None = None) -> float:
     return math.exp(nll / count)
 
 
+def recall(model, ids, length: int, windows: int = 8, span: int = 64, source: int = 16) -> dict[str, float]:
+    """Copy probe on the held-out book: in each of ``windows`` windows of ``length`` tokens (spread evenly over
+    ``ids``), the ``span`` tokens at ``source`` are repeated as the window's last ``span`` tokens, so the copy sits
+    ``length - span - source`` tokens after its original. Scored on the copy (all but its first token): top-1
+    accuracy and perplexity. A model that reads far context copies it; one that cannot reach it sees plain text."""
+    import torch
+
+    step = max(length, (len(ids) - length) // max(1, windows - 1))
+    starts = [i * step for i in range(windows) if i * step + length <= len(ids)]
+    x = torch.stack([ids[s : s + length].clone() for s in starts])
+    x[:, length - span :] = x[:, source : source + span]
+    hits, nll, count = 0, 0.0, 0
+    with torch.inference_mode():
+        for i in range(0, len(x), max(1, 4096 // length)):
+            xb = x[i : i + max(1, 4096 // length)]
+            logits = model(input_ids=xb).logits.float()[:, length - span : length - 1]
+            target = xb[:, length - span + 1 :]
+            nll += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="sum").item()
+            hits += (logits.argmax(-1) == target).sum().item()
+            count += target.numel()
+    return {"accuracy": round(hits / count, 4), "ppl": round(math.exp(nll / count), 3)}
+
+
 def storage_roundtrip(model, dtype):
     """A float32 copy of ``model`` whose weights went through ``dtype`` (what loading a 16-bit checkpoint
     in float32 gives)."""
@@ -219,6 +247,52 @@ def probe(model, name, held_ids) -> dict[str, float]:
     return out
 
 
+def make_structure(tokenizer, args):
+    """A function that rewrites a batch of training windows in place to contain long-range structure, or None.
+
+    * ``--repeat-fraction p``: in each window with probability p, a span of ``--repeat-min``..``--repeat-max``
+      tokens is copied from earlier in the window to a later place (overwriting the text there), at a distance
+      drawn uniformly over what fits (from the span length up to nearly the whole window). Predicting the
+      copy needs the far context: induction / copy heads.
+    * ``--passkey-fraction q``: in each window with probability q, a sentence carrying a random 5-digit key
+      (" The pass key is K. Remember it. K is the pass key.") is written at a random place and a question
+      (" What is the pass key? The pass key is K.") later, in the Austen text.
+    Draws come from their own generator (seed + 2), so the window order is the same as without them.
+    """
+    import torch
+
+    if args.repeat_fraction <= 0 and args.passkey_fraction <= 0:
+        return None
+    aux = torch.Generator().manual_seed(args.seed + 2)
+    length = TRAIN_LENGTH
+
+    def encode(text):
+        return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+    def rand(lo, hi):  # inclusive
+        return int(torch.randint(lo, hi + 1, (1,), generator=aux))
+
+    def apply(x):
+        x = x.clone()
+        for row in range(x.size(0)):
+            if args.repeat_fraction > 0 and float(torch.rand((), generator=aux)) < args.repeat_fraction:
+                s = rand(args.repeat_min, min(args.repeat_max, length // 2))
+                a = rand(0, length - 2 * s)
+                b = rand(a + s, length - s)
+                x[row, b : b + s] = x[row, a : a + s].clone()
+            if args.passkey_fraction > 0 and float(torch.rand((), generator=aux)) < args.passkey_fraction:
+                key = rand(10000, 99999)
+                needle = encode(f" The pass key is {key}. Remember it. {key} is the pass key.")
+                question = encode(f" What is the pass key? The pass key is {key}.")
+                a = rand(0, length - len(needle) - len(question))
+                b = rand(a + len(needle), length - len(question))
+                x[row, a : a + len(needle)] = needle
+                x[row, b : b + len(question)] = question
+        return x
+
+    return apply
+
+
 def train_one(name, tokenizer, train_ids, held_ids, args):
     import torch
 
@@ -235,6 +309,9 @@ def train_one(name, tokenizer, train_ids, held_ids, args):
     # Same window order for every family: a generator seeded independently of the init.
     gen = torch.Generator().manual_seed(args.seed + 1)
     span = TRAIN_LENGTH
+    # Long-range structure mixed into the windows (off by default: then no extra random numbers are drawn,
+    # and the default run is byte-identical to the one without these options).
+    structure = make_structure(tokenizer, args)
     starts_max = len(train_ids) - span
     log_every = args.log_every or max(1, args.steps // 10)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -246,6 +323,8 @@ def train_one(name, tokenizer, train_ids, held_ids, args):
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
         starts = torch.randint(0, starts_max, (args.batch,), generator=gen)
         x = torch.stack([train_ids[s : s + span] for s in starts.tolist()])
+        if structure is not None:
+            x = structure(x)
         loss = model(input_ids=x, labels=x).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -431,6 +510,13 @@ def train(args) -> int:
             "probes": "ppl_256 / ppl_1024 in loss_curve: first 4096 held-out tokens",
         },
     }
+    if args.repeat_fraction > 0 or args.passkey_fraction > 0:  # recorded only when used: default records unchanged
+        shared["training"]["structure"] = {
+            "repeat_fraction": args.repeat_fraction,
+            "repeat_span": [args.repeat_min, args.repeat_max],
+            "passkey_fraction": args.passkey_fraction,
+            "generator_seed": args.seed + 2,
+        }
     report = {"date": None, "machine": machine(), **shared, "models": {}}
     # A run over a subset of the models keeps the others' records when they were trained the same way
     # (same tokenizer, data and settings), so the three can be trained in separate invocations.
@@ -499,28 +585,38 @@ def evaluate(args) -> int:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         variants = [("none", None)]
         if name == "llama":
-            variants += [(m, f) for f in (4, 8) for m in ("pi", "ntk", "yarn")]
+            variants += [(m, f) for f in (4, 8) for m in args.eval_methods.split(",")]
         for method, factor in variants:
             row = {"model": name, "method": method, "factor": factor}
             for length in lengths:
                 if name == "gpt2" and length > TRAIN_LENGTH:
                     row[str(length)] = None  # wpe has 256 rows: needs the GPT-2 adapter
                     continue
-                if method == "none":
-                    row[str(length)] = round(perplexity(model, ids, length, args.eval_tokens), 3)
-                else:
-                    with ctxext.patched(model, method, factor):
+                with ctxext.patched(model, method, factor) if method != "none" else contextlib.nullcontext():
+                    if not args.recall_only:
                         row[str(length)] = round(perplexity(model, ids, length, args.eval_tokens), 3)
+                    if args.recall:
+                        row.setdefault("recall", {})[str(length)] = recall(model, ids, length)
             rows.append(row)
-            cells = "  ".join(f"{row[str(n)]:>8.2f}" if row[str(n)] is not None else f"{'n/a':>8}" for n in lengths)
             label = method if factor is None else f"{method} x{factor}"
-            print(f"{name:6} {label:8} {cells}", flush=True)
+            if not args.recall_only:
+                cells = "  ".join(f"{row[str(n)]:>8.2f}" if row.get(str(n)) is not None else f"{'n/a':>8}" for n in lengths)
+                print(f"{name:6} {label:14} ppl     {cells}", flush=True)
+            if args.recall:
+                cells = "  ".join(
+                    f"{row['recall'][str(n)]['accuracy']:>8.3f}" if str(n) in row.get("recall", {}) else f"{'n/a':>8}" for n in lengths
+                )
+                print(f"{name:6} {label:14} recall  {cells}", flush=True)
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "text": HELD_OUT,
         "tokens": args.eval_tokens,
         "lengths": lengths,
+        "recall": "copy probe: 8 windows per length spread over the book; the 64 tokens at 16 repeated as the "
+        "window's last 64; top-1 accuracy and perplexity on the copy (63 targets per window)"
+        if args.recall
+        else None,
         "rows": rows,
     }
     if args.json:
@@ -549,12 +645,36 @@ def main(argv=None) -> int:
         help="storage dtype; auto: float16, else bfloat16, if it costs at most --max-dtype-loss",
     )
     p.add_argument("--max-dtype-loss", type=float, default=0.005, help="largest relative ppl loss a 16-bit save may cost")
+    p.add_argument(
+        "--repeat-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of training windows in which an earlier span is repeated later (induction / copy); default 0",
+    )
+    p.add_argument("--repeat-min", type=int, default=8, help="shortest repeated span, tokens")
+    p.add_argument("--repeat-max", type=int, default=64, help="longest repeated span, tokens")
+    p.add_argument(
+        "--passkey-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of training windows given a 5-digit pass key sentence and, later, its question; default 0",
+    )
     p.add_argument("--log-every", type=int, default=0, help="log every N steps (default: steps/10)")
     p.add_argument("--no-probe", dest="probe", action="store_false", help="skip the perplexity probes while training")
     p.add_argument("--eval-only", action="store_true", help="measure the saved checkpoints at 256..2048 tokens")
     p.add_argument("--json", type=Path, help="with --eval-only: write the table as JSON here")
+    p.add_argument(
+        "--eval-methods", default="pi,ntk,yarn", help="with --eval-only: LLaMA methods at factors 4 and 8 (default pi,ntk,yarn)"
+    )
+    p.add_argument(
+        "--recall",
+        action="store_true",
+        help="with --eval-only: also the copy probe (a 64-token held-out passage repeated at the window's end)",
+    )
+    p.add_argument("--recall-only", action="store_true", help="with --eval-only: only the copy probe")
     args = p.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    args.recall = args.recall or args.recall_only
     unknown = set(args.models) - set(NAMES)
     if unknown:
         p.error(f"unknown model(s) {sorted(unknown)}; choose from {', '.join(NAMES)}")

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..methods.remap import REMAP_METHODS
 from ..spec import PatchSpec
-from .base import Adapter, Restore, run_all
+from .base import Adapter, Restore, acquire_module_function, run_all
 from .bloom import _active_transform, _hooks
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -117,27 +117,7 @@ _dispatchers: dict[str, _Dispatcher] = {}
 
 
 def _acquire(modeling) -> Restore:
-    name = modeling.__name__
-    dispatcher = _dispatchers.get(name)
-    if dispatcher is None or getattr(modeling, FALCON_FUNCTION) is not dispatcher:
-        dispatcher = _Dispatcher(getattr(modeling, FALCON_FUNCTION))
-        setattr(modeling, FALCON_FUNCTION, dispatcher)
-        _dispatchers[name] = dispatcher
-    dispatcher.users += 1
-    released = []
-
-    def release():
-        if released:
-            return
-        released.append(True)
-        dispatcher.users -= 1
-        if dispatcher.users == 0:
-            if getattr(modeling, FALCON_FUNCTION) is dispatcher:
-                setattr(modeling, FALCON_FUNCTION, dispatcher.original)
-            if _dispatchers.get(name) is dispatcher:
-                del _dispatchers[name]
-
-    return release
+    return acquire_module_function(modeling, FALCON_FUNCTION, _Dispatcher, _dispatchers)
 
 
 def falcon_alibi_owner(model: nn.Module) -> tuple[nn.Module, object] | None:

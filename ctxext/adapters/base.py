@@ -57,3 +57,29 @@ def run_all(undo: list[Restore]) -> None:
     """Run undo steps in reverse order."""
     for step in reversed(undo):
         step()
+
+
+def acquire_module_function(modeling, attr: str, make: Callable, registry: dict) -> Restore:
+    """Install ``make(original)`` in place of ``modeling.<attr>`` (one per module, shared by every patched model that
+    uses it, counted in ``registry``); returns this user's release, which puts the original back after the last."""
+    name = modeling.__name__
+    dispatcher = registry.get(name)
+    if dispatcher is None or getattr(modeling, attr) is not dispatcher:
+        dispatcher = make(getattr(modeling, attr))
+        setattr(modeling, attr, dispatcher)
+        registry[name] = dispatcher
+    dispatcher.users += 1
+    released = []
+
+    def release():
+        if released:
+            return
+        released.append(True)
+        dispatcher.users -= 1
+        if dispatcher.users == 0:
+            if getattr(modeling, attr) is dispatcher:
+                setattr(modeling, attr, dispatcher.original)
+            if registry.get(name) is dispatcher:
+                del registry[name]
+
+    return release

@@ -47,7 +47,7 @@ from torch import nn
 from ..methods import alibi
 from ..methods.remap import REMAP_METHODS
 from ..spec import PatchSpec
-from .base import Adapter, Restore, run_all
+from .base import Adapter, Restore, acquire_module_function, run_all
 
 #: The sequence length all BLOOM checkpoints were trained with.
 BLOOM_TRAINING_LENGTH = 2048
@@ -87,27 +87,7 @@ _dispatchers: dict[str, _Dispatcher] = {}
 
 
 def _acquire(modeling) -> Restore:
-    name = modeling.__name__
-    dispatcher = _dispatchers.get(name)
-    if dispatcher is None or getattr(modeling, SLOPE_FUNCTION) is not dispatcher:
-        dispatcher = _Dispatcher(modeling, getattr(modeling, SLOPE_FUNCTION))
-        setattr(modeling, SLOPE_FUNCTION, dispatcher)
-        _dispatchers[name] = dispatcher
-    dispatcher.users += 1
-    released = []
-
-    def release():
-        if released:
-            return
-        released.append(True)
-        dispatcher.users -= 1
-        if dispatcher.users == 0:
-            if getattr(modeling, SLOPE_FUNCTION) is dispatcher:
-                setattr(modeling, SLOPE_FUNCTION, dispatcher.original)
-            if _dispatchers.get(name) is dispatcher:
-                del _dispatchers[name]
-
-    return release
+    return acquire_module_function(modeling, SLOPE_FUNCTION, lambda original: _Dispatcher(modeling, original), _dispatchers)
 
 
 def alibi_owner(model: nn.Module) -> tuple[nn.Module, object | None] | None:
