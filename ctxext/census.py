@@ -130,10 +130,43 @@ TINY: dict[str, Any] = {
     "eos_token_id": 2,
 }
 
+#: Scaled RoPE as checkpoints ship it (Llama 3.1's llama3, Qwen2.5's yarn, Phi-3's longrope), written as 5.x
+#: rope_parameters; advertised length L0, so the census's checks past L0 test the composed patch.
+SCALED_ROPE: dict[str, dict[str, Any]] = {
+    "linear": {"rope_type": "linear", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L0 // 4},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": L0 // 4},
+    "longrope": {"rope_type": "longrope", "factor": 2.0, "original_max_position_embeddings": L0 // 2,
+                 "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 1.7, 2.0, 2.5],
+                 "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0]},
+}
+
 #: Extra configurations of a model type (name suffix, config overrides): structure variants the census covers.
+#: ``{"rope": preset}`` is a scaled RoPE preset, given to the config in the API it has.
 VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "falcon": [("alibi", {"alibi": True})],
+    "llama": [(name, {"rope": SCALED_ROPE[name]}) for name in ("linear", "yarn", "llama3")],
+    "qwen2": [("yarn", {"rope": SCALED_ROPE["yarn"]})],
+    "phi3": [("longrope", {"rope": SCALED_ROPE["longrope"]})],
 }
+
+
+def _rope_overrides(config_class, default, preset: dict[str, Any]) -> dict[str, Any]:
+    """Config kwargs for a scaled RoPE preset: 5.x rope_parameters (over the default's theta), or 4.x
+    rope_scaling (Phi-3's 4.x longrope wants ``type`` and its two factor lists only)."""
+    preset = dict(preset)
+    original = preset.get("original_max_position_embeddings")
+    kwargs: dict[str, Any] = {} if original is None else {"original_max_position_embeddings": original}
+    if "rope_parameters" in inspect.signature(config_class.__init__).parameters:
+        base = getattr(default, "rope_parameters", None) or {}
+        kwargs["rope_parameters"] = {**{k: v for k, v in base.items() if k == "rope_theta"}, **preset}
+    elif preset["rope_type"] == "longrope":
+        kwargs["rope_scaling"] = {"type": "longrope", "short_factor": preset["short_factor"],
+                                  "long_factor": preset["long_factor"]}
+    else:
+        kwargs["rope_scaling"] = preset
+    return kwargs
 
 
 @dataclass
@@ -172,7 +205,7 @@ def causal_lm_entries(model_types: Iterable[str] | None = None) -> list[tuple[st
     for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         names = [(model_type, {})] + [(f"{model_type}+{suffix}", o) for suffix, o in VARIANTS.get(model_type, [])]
         for name, overrides in names:
-            if wanted is None or name in wanted or model_type in wanted:
+            if wanted is None or name in wanted:  # a variant is named on its own ("falcon+alibi")
                 entries.append((name, model_type, overrides))
     return entries
 
@@ -225,7 +258,10 @@ def tiny_config(model_type: str, overrides: dict[str, Any] | None = None):
         for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
             if key in kwargs:
                 kwargs[key] = layers
-    kwargs.update(overrides or {})
+    overrides = dict(overrides or {})
+    if "rope" in overrides:
+        kwargs.update(_rope_overrides(config_class, default, overrides.pop("rope")))
+    kwargs.update(overrides)
     try:
         config = config_class(**kwargs)
     except Exception:
@@ -298,6 +334,17 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
+def _shipped_rope_type(config) -> str | None:
+    """The scaled rope type a config ships (5.x rope_parameters or 4.x rope_scaling), if any."""
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and "rope_type" in params:
+        return params["rope_type"]
+    scaling = getattr(config, "rope_scaling", None)
+    if isinstance(scaling, dict):
+        return scaling.get("rope_type", scaling.get("type"))
+    return None
+
+
 def _rope_reference(model, method: str):
     """The unpatched weights configured with transformers' own form of ``method``; None where this model has no
     such config surface."""
@@ -325,7 +372,18 @@ def _rope_reference(model, method: str):
         return new
 
     params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and params:
+    shipped = _shipped_rope_type(config)
+    if shipped not in (None, "default"):
+        # a composed patch has a transformers form only in closed form: pi x f on linear x a is linear x (a * f)
+        if not (shipped == "linear" and kind == "linear"):
+            raise LookupError(f"{method} on shipped rope type {shipped!r} has no transformers rope type")
+        scaling = params if isinstance(params, dict) and "rope_type" in params else config.rope_scaling
+        extra = {"factor": float(scaling["factor"]) * FACTOR}
+        if isinstance(params, dict) and "rope_type" in params:
+            config.rope_parameters = {**params, **extra}
+        else:
+            config.rope_scaling = {**config.rope_scaling, **extra}
+    elif isinstance(params, dict) and params:
         if "rope_theta" in params:
             config.rope_parameters = merged(params)
         elif all(isinstance(v, dict) and "rope_theta" in v for v in params.values()):

@@ -13,6 +13,7 @@ import torch
 import ctxext
 from ctxext import census
 from ctxext.errors import PatchError
+from test_scaled_rope import LONGROPE
 
 #: The models the census must cover without a failure row, with the methods each must patch ("ok").
 REQUIRED = {
@@ -35,12 +36,22 @@ REQUIRED = {
     "gptj": "refused",
     "opt": "refused",
     "biogpt": "refused",
+    # models that ship scaled RoPE (issue 11 item 5): the methods that scale frequencies compose on it
+    "llama+linear": "scaled",
+    "llama+yarn": "scaled",
+    "llama+llama3": "scaled",
+    "qwen2+yarn": "scaled",
+    "phi3+longrope": "longrope",
 }
 MUST_PATCH = {
     "rotary": ["pi", "ntk", "dynamic-ntk", "yarn", "llama3", "nope", "extrapolate"],
     "alibi-bias": ["pi", "nope", "extrapolate"],
     "learned": ["pi", "alibi", "nope", "extrapolate"],
     "refused": [],
+    "scaled": ["pi", "ntk", "dynamic-ntk", "yarn", "llama3", "extrapolate"],
+    # longrope switches its own frequencies by length: no dynamic-ntk; 4.x / 5.0-5.12 recompute the long set
+    # from the config in every forward, so every method is refused there
+    "longrope": ["pi", "ntk", "yarn", "llama3", "extrapolate"] if LONGROPE else [],
 }
 
 
@@ -62,6 +73,9 @@ def test_required_models_are_built_and_have_no_failure_row(required_rows):
             assert cells[method].status == "ok", (model, method, cells[method].reason)
         if kind == "refused":  # no positional surface ctxext knows: one clear reason for every method
             assert all(r.status == "refused" and "no positional surface" in r.reason for r in cells.values())
+        if kind in ("scaled", "longrope"):  # replacing the rotation is not defined on a shipped scaled RoPE
+            for method in ("alibi", "nope", "self-extend", "dca"):
+                assert cells[method].status == "refused" and "already uses" in cells[method].reason
         for row in cells.values():
             assert row.status == "ok" or row.reason, row
 
@@ -75,6 +89,9 @@ def test_ok_rows_ran_the_checks_that_apply(required_rows):
     # per-layer-type rotary frequencies (5.x) / a local and a global rotary module (4.x)
     assert {"changed", "cache", "identity"} <= set(rows["gemma3_text", "yarn"].checks)
     assert "extrapolated" in rows["llama", "extrapolate"].checks
+    # composed on a shipped linear x 2: pi x 4 equals transformers' linear x 8 (the one closed form)
+    assert "parity" in rows["llama+linear", "pi"].checks
+    assert {"changed", "cache", "unpatch", "identity"} <= set(rows["llama+llama3", "yarn"].checks)
     assert "runs past L0" in rows["gpt2", "pi"].checks  # the unpatched table has L0 rows
     assert "changed" in rows["falcon+alibi", "pi"].checks and "cache" in rows["falcon+alibi", "pi"].checks
 
