@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -25,10 +24,8 @@ def _eval(cmd, tmp_path, model, name):
 
 
 def test_two_processes_equal_one(tmp_path):
-    if shutil.which("torchrun") is None:
-        launcher = [sys.executable, "-m", "torch.distributed.run"]
-    else:
-        launcher = ["torchrun"]
+    # torchrun's module under this interpreter: a `torchrun` on PATH may belong to another environment
+    launcher = [sys.executable, "-m", "torch.distributed.run"]
     model = save_tiny_llama(tmp_path / "llama", max_positions=32)
     one, out1 = _eval([sys.executable], tmp_path, model, "one")
     assert one.returncode == 0, one.stderr

@@ -83,3 +83,50 @@ def test_patched_model_runs_sdpa_kernel(method):
         model(ids)
     names = {e.key for e in prof.key_averages()}
     assert "aten::scaled_dot_product_attention" in names
+
+
+def test_dynamic_scale_is_fixed_once_per_forward_pass_of_the_model():
+    """A model may own a second rotary module that it first calls mid-pass with positions of its own starting at 0
+    (DeepSeek-V4's compressors rotate entries at 0, r, 2r, ...). Every rotary module must take the scale the pass
+    fixed from the sequence: the full pass equals cached decoding (which knows the total length)."""
+    import copy
+
+    model = tiny_llama()
+    model.model.second_rotary = copy.deepcopy(model.model.rotary_emb)  # patched like the first
+    ctxext.patch(model, "dynamic-ntk", 4)
+    second = model.model.second_rotary
+
+    def add_second_rotation(module, args, output):  # layer 0 output + the second module's rotation at 0..69
+        hidden = output[0] if isinstance(output, tuple) else output
+        cos, _ = second(hidden, torch.arange(70)[None])
+        hidden = hidden + cos.mean()
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    ids = torch.randint(0, 128, (1, 200), generator=torch.Generator().manual_seed(7))
+    extra = model.model.layers[0].register_forward_hook(add_second_rotation)
+    try:
+        with torch.no_grad():
+            full = model(ids).logits
+            with ctxext.dynamic_length(model, 200):
+                out = model(ids[:, :150], use_cache=True)
+                logits, cache = [out.logits], out.past_key_values
+                for t in range(150, 200):
+                    out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+                    logits.append(out.logits)
+                    cache = out.past_key_values
+    finally:
+        extra.remove()
+    torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=1e-4, rtol=0)
+    # outside a pass of the patched model (a rotary module called on its own) every call still sets the scale
+    second(torch.zeros(1, 70, 8), torch.arange(70)[None])
+    assert second._ctxext_dynamic.length == 70
+
+
+def test_dynamic_ntk_on_deepseek_v4_decodes_like_its_full_pass():
+    """Its compressors have rotary modules of their own, first called mid-pass: one scale for all of them."""
+    pytest.importorskip("transformers.models.deepseek_v4")
+    from ctxext import census
+
+    (row,) = census.run_census(["deepseek_v4"], ["dynamic-ntk"])
+    assert row.status == "ok", row.reason
+    assert "cache" in row.checks

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -353,6 +354,17 @@ def unit_inputs(unit: RotaryUnit, original_length: int, method: str | None = Non
     return rope.RopeInputs(inv_freq=inv_freq.cpu(), base=float(base), dim=dim, original_length=int(original_length))
 
 
+@dataclass
+class SequenceScale:
+    """The dynamic-NTK state one patched model's rotary modules share."""
+
+    length_hint: int | None = None  # the planned total length (generate, ``ctxext.dynamic_length``)
+    length: int | None = None  # the length the current sequence's scale was fixed from
+    # None: no forward pass of the patched model in progress (every rotary call applies the rule); "start": one
+    # has begun and its first rotary call decides; "locked": that call has decided
+    pass_state: str | None = None
+
+
 class DynamicNTKHook:
     """Forward pre-hook on a rotary module that sets dynamic-NTK frequencies for the current sequence.
 
@@ -361,15 +373,44 @@ class DynamicNTKHook:
     longer (``generate`` sets it to prompt + new tokens). Later passes that continue the sequence (positions not
     starting at 0) keep that scale, so cached keys and new queries are always rotated alike. A batch shares one
     scale, from its longest row.
+
+    Within one forward pass of the patched model only its first rotary call decides, for every rotary module of
+    the model (they share one ``SequenceScale``): some models also rotate compressed entries at positions of their
+    own (DeepSeek-V4's compressors: 0, r, 2r, ..., with rotary modules of their own), which must not set another
+    scale mid-pass (``_mark_model_passes`` tells the hooks where a pass of the model starts and ends).
     """
 
-    def __init__(self, targets: list[tuple[RotaryUnit, rope.RopeInputs]], factor: float):
+    def __init__(self, targets: list[tuple[RotaryUnit, rope.RopeInputs]], factor: float,
+                 sequence: SequenceScale | None = None):
         self.targets = targets  # the module's frequency sets (one, or one per layer type) and their inputs
         self.inputs = targets[0][1]
         self.factor = factor
-        self.length_hint: int | None = None
-        self.length: int | None = None  # the length the current sequence's scale was fixed from
+        self.sequence = sequence or SequenceScale()
         self._applied: int | None = None
+
+    @property
+    def length_hint(self) -> int | None:
+        return self.sequence.length_hint
+
+    @length_hint.setter
+    def length_hint(self, value: int | None) -> None:
+        self.sequence.length_hint = value
+
+    @property
+    def length(self) -> int | None:
+        return self.sequence.length
+
+    @length.setter
+    def length(self, value: int | None) -> None:
+        self.sequence.length = value
+
+    @property
+    def pass_state(self) -> str | None:
+        return self.sequence.pass_state
+
+    @pass_state.setter
+    def pass_state(self, value: str | None) -> None:
+        self.sequence.pass_state = value
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
@@ -377,7 +418,10 @@ class DynamicNTKHook:
             return None
         start = int(position_ids.min())
         end = int(position_ids.max()) + 1
-        if start == 0 or self.length is None:
+        decides = self.pass_state != "locked"
+        if self.pass_state == "start":
+            self.pass_state = "locked"
+        if decides and (start == 0 or self.length is None):
             self.length = max(end, self.length_hint or 0)
         target = max(self.length, self.inputs.original_length)
         if target != self._applied:
@@ -406,6 +450,21 @@ def planned_generate_length(model: nn.Module, args: tuple, kwargs: dict) -> int 
         return prompt + int(max_new)
     max_length = kwargs.get("max_length", getattr(config, "max_length", None))
     return max(prompt, int(max_length)) if max_length is not None else prompt
+
+
+def _mark_model_passes(model: nn.Module, hooks: list[DynamicNTKHook]) -> Restore:
+    """Tell the dynamic hooks where each forward pass of ``model`` starts and ends (see ``DynamicNTKHook``)."""
+
+    def started(module, args):
+        for hook in hooks:
+            hook.pass_state = "start"
+
+    def ended(module, args, output):
+        for hook in hooks:
+            hook.pass_state = None
+
+    handles = [model.register_forward_pre_hook(started), model.register_forward_hook(ended, always_call=True)]
+    return lambda: [handle.remove() for handle in handles]
 
 
 def _wrap_generate(model: nn.Module) -> Restore:
@@ -496,11 +555,15 @@ class RotaryAdapter(Adapter):
                 # composes: the shipped attention factor (1.0 on plain RoPE) times the method's
                 unit.attention_scaling = attention_factor if inputs.preset == "default" else \
                     inputs.attention_scaling * attention_factor
+            hooks, sequence = [], SequenceScale()
             for module, targets in dynamic.values():
-                hook = DynamicNTKHook(targets, spec.factor)
+                hook = DynamicNTKHook(targets, spec.factor, sequence)
                 handle = module.register_forward_pre_hook(hook, with_kwargs=True)
                 module._ctxext_dynamic = hook
+                hooks.append(hook)
                 undo.append(functools.partial(_remove_hook, module, handle))
+            if hooks:
+                undo.append(_mark_model_passes(model, hooks))
             if spec.method == "dynamic-ntk":
                 undo.append(_wrap_generate(model))
             if spec.method == "alibi":
