@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -12,13 +11,13 @@ from torch import nn
 
 from .adapters import ADAPTERS, find_adapter
 from .adapters.base import Restore, run_all
+from .active import ACTIVE as _ACTIVE
+from .active import base_model, describe, require_transformers_model  # base_model, describe: public here too
 from .adapters.rotary import dynamic_hooks
 from .errors import PatchError
 from .registry import METHODS, resolve_method, validate_factor, validate_options
 from .spec import CONFIG_KEY, SAVED_AS_KEY, PatchSpec, install_save_mark, unmark_live_config
 
-# Attribute on the model holding the live patch (spec + how to undo it). Not saved; the spec is, in config.
-_ACTIVE = "_ctxext_active"
 # A config attribute that did not exist before the patch (BLOOM has no length attribute): unpatch deletes it.
 _MISSING = object()
 
@@ -42,39 +41,9 @@ class _ActivePatch:
 _SAVE_MARK = install_save_mark()
 
 
-def _base_model(model: Any, caller: str = "ctxext") -> nn.Module:
-    """The transformers model inside a peft wrapper, or the model itself; PatchError for anything that is not a
-    transformers model (an ``nn.Module`` whose ``.config`` is a transformers ``PretrainedConfig``)."""
-    if isinstance(model, nn.Module):
-        get_base = getattr(model, "get_base_model", None)
-        if callable(get_base):
-            model = get_base()
-    _require_transformers_model(model, caller)
-    return model
-
-
-def _describe_object(obj: Any) -> str:
-    text = repr(obj) if isinstance(obj, (str, bytes, int, float, type(None))) else type(obj).__name__
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _require_transformers_model(model: Any, caller: str) -> None:
-    from .spec import transformers_config_class
-
-    need = "a transformers model (an nn.Module with a transformers PretrainedConfig as .config, e.g. from " \
-           "AutoModelForCausalLM.from_pretrained)"
-    if not isinstance(model, nn.Module):
-        raise PatchError(f"{caller} needs {need}; got {_describe_object(model)}")
-    config = getattr(model, "config", None)
-    base = transformers_config_class()
-    if config is None or (base is not None and not isinstance(config, base)):
-        what = "no .config" if config is None else f"a .config of type {type(config).__name__}"
-        raise PatchError(f"{caller} needs {need}; got {type(model).__name__} with {what}")
-
-
 def build_spec(model: nn.Module, method: str, factor: Any = None, **options: Any) -> tuple[PatchSpec, Any]:
     """Validate a patch request against a model without touching it; returns the spec and the adapter."""
-    _require_transformers_model(model, "ctxext.build_spec")
+    require_transformers_model(model, "ctxext.build_spec")
     info = resolve_method(method)
     adapter = find_adapter(model)
     if not adapter.supports(info.name):
@@ -104,7 +73,7 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, replace
     ``config.json`` that plain transformers refuses (see ``ctxext.spec``); ``ctxext.from_pretrained`` reloads it.
     Bad input raises ``PatchError`` before anything changes.
     """
-    model = _base_model(model, "ctxext.patch")
+    model = base_model(model, "ctxext.patch")
     if not _SAVE_MARK:
         raise PatchError(
             "this transformers version has no PreTrainedConfig.to_json_string, through which ctxext marks saved "
@@ -155,7 +124,7 @@ def _spec_for_replace(model, method, factor, options):
 def take_saved_spec(model: nn.Module) -> PatchSpec | None:
     """Remove a patch spec saved in the config of a freshly loaded model and restore the advertised length it had
     before that patch. ``ctxext.from_pretrained`` re-applies the returned spec."""
-    model = _base_model(model, "ctxext.take_saved_spec")
+    model = base_model(model, "ctxext.take_saved_spec")
     saved = getattr(model.config, CONFIG_KEY, None)
     if not saved or getattr(model, _ACTIVE, None) is not None:
         return None
@@ -177,7 +146,7 @@ def take_saved_spec(model: nn.Module) -> PatchSpec | None:
 
 def unpatch(model: nn.Module) -> nn.Module:
     """Undo ``patch``: original frequencies/tables/attention and config values, bit-exact."""
-    model = _base_model(model, "ctxext.unpatch")
+    model = base_model(model, "ctxext.unpatch")
     active: _ActivePatch | None = getattr(model, _ACTIVE, None)
     if active is None:
         raise PatchError("model is not patched by ctxext")
@@ -200,15 +169,9 @@ def patched(model: nn.Module, method: str, factor: float | None = None, **option
         unpatch(model)
 
 
-def describe(model: nn.Module) -> dict[str, Any] | None:
-    """The active patch spec as a dict, or None if the model is not patched."""
-    active = getattr(_base_model(model, "ctxext.describe"), _ACTIVE, None)
-    return copy.deepcopy(active.spec.to_dict()) if active is not None else None
-
-
 def available_methods(model: nn.Module | None = None) -> dict[str, list[str]]:
     """Method name -> families it applies to; with a model, only the methods that fit it."""
-    adapters = ADAPTERS if model is None else [find_adapter(_base_model(model, "ctxext.available_methods"))]
+    adapters = ADAPTERS if model is None else [find_adapter(base_model(model, "ctxext.available_methods"))]
     table = {}
     for name in METHODS:
         families = [a.family for a in adapters if a.supports(name)]
@@ -224,7 +187,7 @@ def dynamic_length(model: nn.Module, length: int):
     ``generate`` does this itself (prompt + max_new_tokens). Without it, a cached decode keeps the scale
     fixed at its prefill, which differs from a full forward pass over the final, longer sequence.
     """
-    hooks = dynamic_hooks(_base_model(model, "ctxext.dynamic_length"))
+    hooks = dynamic_hooks(base_model(model, "ctxext.dynamic_length"))
     if not hooks:
         raise PatchError("dynamic_length needs a model patched with method 'dynamic-ntk'")
     for hook in hooks:

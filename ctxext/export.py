@@ -41,7 +41,6 @@ import functools
 import math
 import os
 import types
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,6 +48,7 @@ import torch
 from torch import nn
 
 from .errors import PatchError
+from .native_form import NativeForm, NoNativeForm
 from .spec import CONFIG_KEY, NATIVE_KEY, TENSORS_KEY, PatchSpec
 
 #: Relative tolerance between the patched model's rotary frequencies / attention scale and those transformers
@@ -56,23 +56,6 @@ from .spec import CONFIG_KEY, NATIVE_KEY, TENSORS_KEY, PatchSpec
 RTOL = 1e-6
 #: The file (beside the weights) holding tensors the native form replaced: GPT-2's original position table.
 ORIGINAL_TENSORS = "ctxext_original_positions.safetensors"
-
-
-@dataclass
-class NativeForm:
-    """How a patched model is written natively: top-level config values to write, and (GPT-2) weights."""
-
-    changes: dict[str, Any]
-    #: context manager factory: while open, the model's state dict holds the native weights
-    weights: Callable[[], Any] | None = None
-    #: tensors the native weights replaced, written to ``ORIGINAL_TENSORS`` ({name: tensor})
-    originals: Callable[[], dict[str, torch.Tensor]] | None = None
-    summary: str = ""
-    notes: list[str] = field(default_factory=list)
-
-
-class NoNativeForm(PatchError):
-    """The patch has no exact transformers-native form on this model (the reason is the message)."""
 
 
 # -- deciding the native form --------------------------------------------------------------------------------------
@@ -84,9 +67,9 @@ def native_form(model: nn.Module, spec: PatchSpec | None = None, *, check_only: 
     family whose native form needs no verification (GPT-2, BLOOM); the form returned then only says that one
     exists (rotary models are verified, so they must be patched)."""
     from .adapters import find_adapter
-    from .api import _base_model, describe
+    from .active import base_model, describe
 
-    model = _base_model(model, "ctxext.native_form")
+    model = base_model(model, "ctxext.native_form")
     if spec is None:
         active = describe(model)
         if active is None:

@@ -206,7 +206,24 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
         from peft import PeftModel
     except ImportError as exc:  # pragma: no cover - peft is a declared extra
         raise ImportError("loading an adapter needs peft: pip install 'ctxext[finetune]'") from exc
-    from .finetune.model import prepare_for_adapter
-
-    # a trained position table (GPT-2 + pi) is saved in modules_to_save: make it a parameter so it loads
     return PeftModel.from_pretrained(prepare_for_adapter(model, adapter_dir), adapter_dir)
+
+
+def prepare_for_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
+    """Before ``PeftModel.from_pretrained(model, adapter_dir)`` on a patched model: let the family turn the patched
+    modules the adapter trained (its ``modules_to_save``, e.g. GPT-2's interpolated table) into parameters, so
+    their trained values load. A no-op otherwise."""
+    import json
+    from pathlib import Path
+
+    from .adapters import adapter_for
+
+    config = Path(adapter_dir) / "adapter_config.json"
+    if not config.exists():
+        return model
+    names = json.loads(config.read_text()).get("modules_to_save") or []
+    if names:
+        get_base = getattr(model, "get_base_model", None)
+        plain = get_base() if callable(get_base) else model
+        adapter_for(plain).make_trainable(plain, list(names))
+    return model

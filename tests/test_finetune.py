@@ -318,7 +318,7 @@ def test_resume_reaches_the_same_result(bases, trained):
 def test_gpt2_pi_trains_and_saves_the_interpolated_table(bases, tmp_path):
     from peft import PeftModel
 
-    from ctxext.finetune.model import prepare_for_adapter
+    from ctxext.loading import prepare_for_adapter
 
     out = tmp_path / "gpt2"
     r = make(bases, out, model={"name": str(bases["gpt2"])}, patch={"method": "pi", "factor": 2},

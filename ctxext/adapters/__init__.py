@@ -24,3 +24,11 @@ def find_adapter(model: nn.Module) -> Adapter:
         f"{type(model).__name__} has no positional surface ctxext knows (supported families: {families}); "
         "see `ctxext methods`"
     )
+
+
+def adapter_for(model: nn.Module) -> Adapter:
+    """The adapter of ``model`` (unwrapped from peft), or a plain ``Adapter`` whose defaults ask nothing special of
+    a model no family claims."""
+    get_base = getattr(model, "get_base_model", None)
+    plain = get_base() if callable(get_base) else model
+    return next((a for a in ADAPTERS if a.detect(plain)), Adapter())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 
@@ -51,6 +52,36 @@ class Adapter:
         If applying fails midway, the adapter undoes what it did before re-raising.
         """
         raise NotImplementedError
+
+    # -- what fine-tuning and evaluation ask of a family; the defaults: nothing family-specific -----------------
+
+    def lora_settings(self, model: nn.Module) -> dict[str, Any]:
+        """peft ``LoraConfig`` fields this family's layers need (e.g. GPT-2's transposed Conv1D weights)."""
+        return {}
+
+    def make_trainable(self, model: nn.Module, names: list[str]) -> list[str]:
+        """Before peft wraps ``model`` (training, or loading an adapter): make the patched modules named in
+        ``names`` (peft's ``modules_to_save``) hold their values as parameters peft can train and save. Returns the
+        converted module names."""
+        return []
+
+    def after_lora(self, model: nn.Module) -> None:
+        """After peft wrapped ``model`` for training: freeze what the forward pass no longer uses."""
+
+    def bake_trained(self, model: nn.Module) -> bool:
+        """In a merged (LoRA folded in) model: turn trained patched modules into the model's own, so the saved
+        checkpoint needs no patch. Returns whether anything was baked."""
+        return False
+
+    def position_limit(self, model: nn.Module) -> int | None:
+        """How many positions the model can take at all, or None if unbounded. The default finds a learned
+        absolute table by its usual names (``wpe``, ``embed_positions``, ``position_embeddings``; OPT-style tables
+        carry an ``offset`` of rows that are not positions), which also covers models no adapter claims."""
+        for name, module in model.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if isinstance(module, nn.Embedding) and leaf in ("wpe", "embed_positions", "position_embeddings"):
+                return module.num_embeddings - int(getattr(module, "offset", 0))
+        return None
 
 
 def run_all(undo: list[Restore]) -> None:

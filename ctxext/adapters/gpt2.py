@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +115,60 @@ class GPT2Adapter(Adapter):
         return functools.partial(run_all, undo)
 
 
+    # -- fine-tuning: the patched table trains, saves, loads and bakes ------------------------------------------
+
+    def lora_settings(self, model: nn.Module) -> dict[str, Any]:
+        return {"fan_in_fan_out": True}  # GPT-2's Conv1D layers store their weights transposed
+
+    def make_trainable(self, model: nn.Module, names: list[str]) -> list[str]:
+        """The patch keeps the ``pi`` / ``extrapolate`` table as a non-persistent buffer, which peft's
+        ``modules_to_save`` would neither train nor save; it becomes a (frozen) parameter here, so the trainable
+        copy peft makes of the module trains it and the adapter saves it. Loading such an adapter needs the same
+        step before peft loads the weights (``ctxext.loading.prepare_for_adapter``)."""
+        done = []
+        for name, module in model.named_modules():
+            if not name or not isinstance(module, PositionTable):
+                continue
+            if not any(name == t or name.endswith("." + t) for t in names):
+                continue
+            table = module._buffers.get("table")
+            if isinstance(table, torch.Tensor) and table.is_floating_point():
+                del module._buffers["table"]
+                module.table = nn.Parameter(table.detach().clone(), requires_grad=False)
+                done.append(name)
+        return done
+
+    def after_lora(self, model: nn.Module) -> None:
+        """In a trainable table the original ``weight`` is unused by the forward pass: freeze it (an unused
+        trainable parameter breaks DistributedDataParallel)."""
+        for module in model.modules():
+            if isinstance(module, PositionTable) and isinstance(module.table, nn.Parameter):
+                if module.table.requires_grad:
+                    module.weight.requires_grad_(False)
+
+    def bake_trained(self, model: nn.Module) -> bool:
+        """Trained tables become plain embeddings of their size, that length is advertised and the patch record
+        dropped: the saved model is an ordinary checkpoint with a longer table (re-applying the patch on load
+        would interpolate the trained table a second time)."""
+        from ..spec import CONFIG_KEY
+
+        baked = False
+        for parent in list(model.modules()):
+            for child_name, child in list(parent.named_children()):
+                if isinstance(child, PositionTable) and isinstance(child.table, torch.Tensor):
+                    table = child.table.detach().clone()
+                    emb = nn.Embedding(table.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
+                    emb.weight.data.copy_(table)
+                    setattr(parent, child_name, emb)
+                    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+                        if attr in model.config.to_dict():
+                            setattr(model.config, attr, table.shape[0])
+                    baked = True
+        if baked and hasattr(model.config, CONFIG_KEY):
+            delattr(model.config, CONFIG_KEY)
+        return baked
+
+
 def _keep_n_ctx_in_step(config, spec: PatchSpec) -> Restore:
     """Older GPT-2 configs carry ``n_ctx`` = ``n_positions``; advertise the new length there too."""
     before = vars(config).get("n_ctx")
@@ -134,7 +189,7 @@ def native_form(model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
     """``pi`` / ``extrapolate`` have an exact plain-GPT-2 form: ``wpe`` holding the method's table (``n_positions``
     rows, the patched length, already advertised) for inputs up to that length. The original table is kept beside
     the weights so ``ctxext.from_pretrained`` can re-apply the patch and ``unpatch`` restore it."""
-    from ..export import NativeForm, NoNativeForm
+    from ..native_form import NativeForm, NoNativeForm
 
     owner = position_owner(model)
     wpe = getattr(owner, "wpe", None)

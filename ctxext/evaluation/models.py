@@ -48,10 +48,10 @@ def load_model(
 def model_info(model, model_id: str, **extra: Any) -> dict[str, Any]:
     """What the results JSON says about a model."""
     from ..adapters import find_adapter
-    from ..api import _base_model, describe
+    from ..api import base_model, describe
     from ..errors import PatchError
 
-    base = _base_model(model)
+    base = base_model(model)
     spec = describe(model)
     try:
         adapter = find_adapter(base)

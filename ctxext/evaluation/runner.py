@@ -253,16 +253,13 @@ class Runner:
 
 
 def position_limit(model) -> int | None:
-    """Rows of a learned absolute position table (GPT-2's ``wpe`` and the like), or None if there is none."""
-    from torch import nn
+    """How many positions the model can take at all (a learned table's rows; the model's family decides), or
+    None if unbounded."""
+    from ..adapters import adapter_for
+    from ..api import base_model
 
-    from ..api import _base_model
-
-    for name, module in _base_model(model).named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if isinstance(module, nn.Embedding) and leaf in ("wpe", "embed_positions", "position_embeddings"):
-            return module.num_embeddings - int(getattr(module, "offset", 0))
-    return None
+    plain = base_model(model)
+    return adapter_for(plain).position_limit(plain)
 
 
 def _spec_of(store: ResultStore, label: str, req: MethodRequest):

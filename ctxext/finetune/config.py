@@ -17,15 +17,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
-
-class RecipeError(ValueError):
-    """A recipe that cannot run: unknown key, wrong type, missing data, a patch that does not fit.
-
-    ``problems`` lists every problem found (each starting with its key path); the message joins them on one line."""
-
-    def __init__(self, message: str, problems: list[str] | None = None):
-        super().__init__(message)
-        self.problems = list(problems) if problems else [message]
+from .errors import RecipeError  # re-exported: ctxext.finetune.config.RecipeError
 
 
 def _one_line(text: str) -> str:
@@ -813,7 +805,7 @@ def _where(recipe: Recipe, item: str) -> str:
 
 def _check_data_files(recipe: Recipe, problems: Problems) -> None:
     """data.files: every entry exists; folders hold text; data.exclude does not drop everything."""
-    from .data import expand_files
+    from .files import expand_files
 
     d = recipe.data
     paths, complete = [], True

@@ -208,6 +208,8 @@ def add_lora(recipe: Recipe, model: nn.Module, source: str) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
+    from ..adapters import adapter_for
+
     lo: LoraConfig = recipe.lora
     config = PeftLoraConfig(
         r=lo.r,
@@ -220,63 +222,16 @@ def add_lora(recipe: Recipe, model: nn.Module, source: str) -> nn.Module:
         task_type="CAUSAL_LM",
         base_model_name_or_path=source,
     )
-    if getattr(model.config, "model_type", None) == "gpt2":
-        config.fan_in_fan_out = True  # GPT-2's Conv1D stores weights transposed
-    make_tables_trainable(model, lo.trainable)
+    adapter = adapter_for(model)
+    for key, value in adapter.lora_settings(model).items():
+        setattr(config, key, value)
+    adapter.make_trainable(model, list(lo.trainable))
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as exc:
         raise RecipeError(f"lora: {exc}") from None
-    freeze_unused_table_weights(peft_model)
+    adapter.after_lora(peft_model)
     return peft_model
-
-
-def _is_position_table(module: nn.Module) -> bool:
-    return type(module).__name__ == "PositionTable" and hasattr(module, "table")
-
-
-def make_tables_trainable(model: nn.Module, names: list[str]) -> list[str]:
-    """Make ctxext's patched position tables (GPT-2 ``wpe`` after ``pi`` / ``extrapolate``) trainable.
-
-    The patch keeps the interpolated table as a non-persistent buffer, which peft's ``modules_to_save`` would
-    neither train nor save; it becomes a (frozen) parameter here, so the trainable copy peft makes of the module
-    trains it and the adapter saves it. Loading such an adapter needs the same step before peft loads the weights:
-    :func:`prepare_for_adapter` does it from the adapter's config. Returns the converted module names."""
-    done = []
-    for name, module in model.named_modules():
-        if not name or not _is_position_table(module):
-            continue
-        if not any(name == t or name.endswith("." + t) for t in names):
-            continue
-        table = module._buffers.get("table")
-        if isinstance(table, torch.Tensor) and table.is_floating_point():
-            del module._buffers["table"]
-            module.table = nn.Parameter(table.detach().clone(), requires_grad=False)
-            done.append(name)
-    return done
-
-
-def freeze_unused_table_weights(model: nn.Module) -> None:
-    """In a trainable position table, the original ``weight`` is not used by the forward pass: freeze it (an
-    unused trainable parameter breaks DistributedDataParallel)."""
-    for module in model.modules():
-        if _is_position_table(module) and isinstance(getattr(module, "table", None), nn.Parameter):
-            if module.table.requires_grad:
-                module.weight.requires_grad_(False)
-
-
-def prepare_for_adapter(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
-    """Before ``PeftModel.from_pretrained(model, adapter_dir)`` on a patched model: turn the position tables the
-    adapter trained (its ``modules_to_save``) into parameters so their trained values load. A no-op otherwise."""
-    import json
-
-    config = Path(adapter_dir) / "adapter_config.json"
-    if not config.exists():
-        return model
-    names = json.loads(config.read_text()).get("modules_to_save") or []
-    if names:
-        make_tables_trainable(_plain(model), list(names))
-    return model
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
@@ -286,23 +241,8 @@ def count_parameters(model: nn.Module) -> tuple[int, int]:
 
 
 def bake_position_tables(model: nn.Module) -> bool:
-    """In a merged model, replace trained position tables by plain embeddings of their size, advertise that length
-    and drop the patch record: the saved model is then an ordinary checkpoint with a longer table (re-applying
-    the patch on load would interpolate the trained table a second time). Returns whether anything was baked."""
-    from ..spec import CONFIG_KEY
+    """In a merged model, let the family turn trained patched modules into the model's own (GPT-2: the trained
+    position table becomes a plain, longer ``wpe``). Returns whether anything was baked."""
+    from ..adapters import adapter_for
 
-    baked = False
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if _is_position_table(child) and isinstance(getattr(child, "table", None), torch.Tensor):
-                table = child.table.detach().clone()
-                emb = nn.Embedding(table.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
-                emb.weight.data.copy_(table)
-                setattr(parent, child_name, emb)
-                for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
-                    if attr in model.config.to_dict():
-                        setattr(model.config, attr, table.shape[0])
-                baked = True
-    if baked and hasattr(model.config, CONFIG_KEY):
-        delattr(model.config, CONFIG_KEY)
-    return baked
+    return adapter_for(model).bake_trained(model)
