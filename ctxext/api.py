@@ -13,7 +13,6 @@ from .adapters import ADAPTERS, find_adapter
 from .adapters.base import Restore, run_all
 from .active import ACTIVE as _ACTIVE
 from .active import base_model, describe, require_transformers_model  # base_model, describe: public here too
-from .adapters.rotary import dynamic_hooks
 from .errors import PatchError
 from .registry import METHODS, resolve_method, validate_factor, validate_options
 from .spec import CONFIG_KEY, SAVED_AS_KEY, PatchSpec, install_save_mark, unmark_live_config
@@ -187,13 +186,11 @@ def dynamic_length(model: nn.Module, length: int):
     ``generate`` does this itself (prompt + max_new_tokens). Without it, a cached decode keeps the scale
     fixed at its prefill, which differs from a full forward pass over the final, longer sequence.
     """
-    hooks = dynamic_hooks(base_model(model, "ctxext.dynamic_length"))
-    if not hooks:
+    plain = base_model(model, "ctxext.dynamic_length")
+    release = None if getattr(plain, _ACTIVE, None) is None else find_adapter(plain).plan_length(plain, int(length))
+    if release is None:
         raise PatchError("dynamic_length needs a model patched with method 'dynamic-ntk'")
-    for hook in hooks:
-        hook.length_hint = int(length)
     try:
         yield model
     finally:
-        for hook in hooks:
-            hook.length_hint = None
+        release()

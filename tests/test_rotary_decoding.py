@@ -130,3 +130,13 @@ def test_dynamic_ntk_on_deepseek_v4_decodes_like_its_full_pass():
     (row,) = census.run_census(["deepseek_v4"], ["dynamic-ntk"])
     assert row.status == "ok", row.reason
     assert "cache" in row.checks
+
+
+@pytest.mark.parametrize("method", [None, "pi", "yarn"])
+def test_dynamic_length_refuses_a_model_without_dynamic_ntk(method):
+    model = tiny_llama()
+    if method:
+        ctxext.patch(model, method, 4)
+    with pytest.raises(ctxext.PatchError, match="dynamic_length needs a model patched with method 'dynamic-ntk'"):
+        with ctxext.dynamic_length(model, 100):
+            pass

@@ -53,6 +53,11 @@ class Adapter:
         """
         raise NotImplementedError
 
+    def plan_length(self, model: nn.Module, length: int) -> Restore | None:
+        """Tell a patch whose positions depend on the sequence length (dynamic-NTK) the total length a cached
+        decode will reach; returns how to forget it, or None where the active patch has no such dependence."""
+        return None
+
     # -- what fine-tuning and evaluation ask of a family; the defaults: nothing family-specific -----------------
 
     def lora_settings(self, model: nn.Module) -> dict[str, Any]:

@@ -507,6 +507,19 @@ class RotaryAdapter(Adapter):
         "string": "yes: large distances shifted down",
     }
 
+    def plan_length(self, model: nn.Module, length: int) -> Restore | None:
+        hooks = dynamic_hooks(model)
+        if not hooks:
+            return None
+        for hook in hooks:
+            hook.length_hint = length
+
+        def forget():
+            for hook in hooks:
+                hook.length_hint = None
+
+        return forget
+
     def detect(self, model: nn.Module) -> bool:
         # a model whose rotary module is never applied (positions from ALiBi) is left to the ALiBi adapters
         return bool(rotary_units(model)) and positions_not_rotary(model) is None
