@@ -11,7 +11,7 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # no
 
 import ctxext  # noqa: E402
 import ctxext.attention as A  # noqa: E402
-import ctxext.flex_paths as FP  # noqa: E402
+import ctxext.flex_functions as FF  # noqa: E402
 import ctxext.remap_attention as R  # noqa: E402
 
 DEV = os.environ.get("DEVICE", "cuda")
@@ -33,8 +33,8 @@ def build(method):
 
 
 def swap(flex):
-    AttentionInterface.register(A.ALIBI, FP.alibi_attention_forward_flex if flex else A.alibi_attention_forward)
-    AttentionInterface.register(R.REMAP, FP.remap_attention_forward_flex if flex else R.remap_attention_forward)
+    AttentionInterface.register(A.ALIBI, FF.alibi_attention_forward_flex if flex else A.alibi_attention_forward)
+    AttentionInterface.register(R.REMAP, FF.remap_attention_forward_flex if flex else R.remap_attention_forward)
 
 
 def run(model, keep=1):

@@ -19,6 +19,7 @@ from torch import nn
 from conftest import rope_kwargs
 
 import ctxext.attention as A
+import ctxext.flex_functions as FF
 import ctxext.flex_paths as FP
 import ctxext.remap_attention as R
 from ctxext.methods.remap import build_map
@@ -149,7 +150,7 @@ def test_alibi_matches_existing(heads, kv_heads, q_len, kv_len):
     else:  # chunked prefill with a cache: the queries are the last q_len keys
         mask, _, _ = _padding_mask([kv_len], q_len, kv_len)
     ref, _ = existing_alibi(module, q, k, v, mask)
-    out, _ = FP.alibi_attention_forward_flex(module, q, k, v, mask)
+    out, _ = FF.alibi_attention_forward_flex(module, q, k, v, mask)
     _close(out, ref)
 
 
@@ -161,7 +162,7 @@ def test_alibi_left_padded_batch(additive):
         mask = torch.zeros(mask.shape).masked_fill(~mask, torch.finfo(torch.float32).min)
     module = _module()
     ref, _ = existing_alibi(module, q, k, v, mask)
-    out, _ = FP.alibi_attention_forward_flex(module, q, k, v, mask)
+    out, _ = FF.alibi_attention_forward_flex(module, q, k, v, mask)
     _close(out, ref, real)
     assert torch.isfinite(out).all()
 
@@ -175,7 +176,7 @@ def test_alibi_additive_bias_mask_declines():
     assert FP.flex_alibi(q, k, v, torch.ones(4), 0, additive[:, 0], None) is None
     module = _module()
     ref, _ = existing_alibi(module, q, k, v, additive)
-    out, _ = FP.alibi_attention_forward_flex(module, q, k, v, additive)  # falls back to the sdpa loop
+    out, _ = FF.alibi_attention_forward_flex(module, q, k, v, additive)  # falls back to the sdpa loop
     _close(out, ref)
 
 
@@ -187,7 +188,7 @@ def test_alibi_dense_mask_fallback_sliding_window():
     mask = mask & ((i[:, None] - i[None, :]) < 30)
     module = _module()
     ref, _ = existing_alibi(module, q, k, v, mask)
-    out, _ = FP.alibi_attention_forward_flex(module, q, k, v, mask)
+    out, _ = FF.alibi_attention_forward_flex(module, q, k, v, mask)
     _close(out, ref, real)
 
 
@@ -195,7 +196,7 @@ def test_alibi_bias_rounded_to_query_dtype_like_sdpa_path():
     q, k, v = (t.to(torch.bfloat16) for t in _inputs(1, 4, 4, 160, 160))
     module = _module()
     ref, _ = existing_alibi(module, q, k, v, None)
-    out, _ = FP.alibi_attention_forward_flex(module, q, k, v, None)
+    out, _ = FF.alibi_attention_forward_flex(module, q, k, v, None)
     torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=0)
 
 
@@ -208,7 +209,7 @@ def test_remap_matches_existing(method, factor, options):
     q, k, v = _inputs(1, 4, 2, 200, 200)
     module = _module(pmap, scale=1.1)
     ref, _ = existing_remap(module, q, k, v, None)
-    out, _ = FP.remap_attention_forward_flex(module, q, k, v, None)
+    out, _ = FF.remap_attention_forward_flex(module, q, k, v, None)
     _close(out, ref)
 
 
@@ -220,7 +221,7 @@ def test_remap_left_padded_batch_gqa_partial_rotary(method, factor, options):
     mask, positions, real = _padding_mask([180, 131, 20], 180, 180)
     module = _module(pmap, dim=16, rotary_dim=8)
     ref, _ = existing_remap(module, q, k, v, mask, position_ids=positions)
-    out, _ = FP.remap_attention_forward_flex(module, q, k, v, mask, position_ids=positions)
+    out, _ = FF.remap_attention_forward_flex(module, q, k, v, mask, position_ids=positions)
     _close(out, ref, real)
     assert torch.isfinite(out).all()
 
@@ -233,7 +234,7 @@ def test_remap_chunked_prefill_with_cache(method, factor, options):
     mask, positions, real = _padding_mask([190, 120], 50, 190)
     module = _module(pmap)
     ref, _ = existing_remap(module, q, k, v, mask, position_ids=positions)
-    out, _ = FP.remap_attention_forward_flex(module, q, k, v, mask, position_ids=positions)
+    out, _ = FF.remap_attention_forward_flex(module, q, k, v, mask, position_ids=positions)
     _close(out, ref, real)
 
 
@@ -247,7 +248,7 @@ def test_block_mask_cache_never_mixes_position_maps():
         pmap = build_map(method, L0, factor, **options)
         module = _module(pmap)
         ref, _ = existing_remap(module, q, k, v, None)
-        out, _ = FP.remap_attention_forward_flex(module, q, k, v, None)
+        out, _ = FF.remap_attention_forward_flex(module, q, k, v, None)
         _close(out, ref)
         alive = weakref.ref(pmap)
         del module, pmap
@@ -263,7 +264,7 @@ def test_remap_dense_mask_fallback():
     mask = mask & ((i[:, None] - i[None, :]) < 70)  # a sliding window: not causal + padding
     module = _module(pmap)
     ref, _ = existing_remap(module, q, k, v, mask, position_ids=positions)
-    out, _ = FP.remap_attention_forward_flex(module, q, k, v, mask, position_ids=positions)
+    out, _ = FF.remap_attention_forward_flex(module, q, k, v, mask, position_ids=positions)
     _close(out, ref, real)
 
 
@@ -276,10 +277,10 @@ def test_remap_padded_head_dims(monkeypatch, method):
     q, k, v = _inputs(1, 4, 2, 170, 170, dim=12, v_dim=10, seed=4)
     module = _module(pmap, dim=12)
     ref, _ = existing_remap(module, q, k, v, None)
-    out, _ = FP.remap_attention_forward_flex(module, q, k, v, None)
+    out, _ = FF.remap_attention_forward_flex(module, q, k, v, None)
     _close(out, ref)
     ref, _ = existing_alibi(module, q, k, v, None)
-    out, _ = FP.alibi_attention_forward_flex(module, q, k, v, None)
+    out, _ = FF.alibi_attention_forward_flex(module, q, k, v, None)
     _close(out, ref)
 
 
@@ -300,7 +301,7 @@ def test_remap_block_mask_is_sparse():
 
     FP._block_mask = spy
     try:
-        FP.remap_attention_forward_flex(module, q, k, v, None)
+        FF.remap_attention_forward_flex(module, q, k, v, None)
     finally:
         FP._block_mask = real
     (bm,) = seen
@@ -331,8 +332,8 @@ class _Swap:
     def __enter__(self):
         from transformers import AttentionInterface
 
-        AttentionInterface.register(A.ALIBI, FP.alibi_attention_forward_flex)
-        AttentionInterface.register(R.REMAP, FP.remap_attention_forward_flex)
+        AttentionInterface.register(A.ALIBI, FF.alibi_attention_forward_flex)
+        AttentionInterface.register(R.REMAP, FF.remap_attention_forward_flex)
 
     def __exit__(self, *exc):
         from transformers import AttentionInterface
@@ -400,13 +401,13 @@ def test_cuda_compiled_path_matches_existing(monkeypatch, method, dtype, atol):
     if method == "alibi":
         module = _module()
         ref, _ = existing_alibi(module, q, k, v, mask)
-        out, _ = FP.alibi_attention_forward_flex(module, q, k, v, mask)
+        out, _ = FF.alibi_attention_forward_flex(module, q, k, v, mask)
     else:
         options = {"shift": 600, "local": 64} if method == "string" else {}  # shift < the 1024 advertised
         pmap = build_map(method, 1024, None if method == "string" else 4, **options)
         module = _module(pmap, dim=32)
         ref, _ = existing_remap(module, q, k, v, mask, position_ids=positions)
-        out, _ = FP.remap_attention_forward_flex(module, q, k, v, mask, position_ids=positions)
+        out, _ = FF.remap_attention_forward_flex(module, q, k, v, mask, position_ids=positions)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out[real].float(), ref[real].float(), atol=atol, rtol=0)
 
