@@ -348,7 +348,7 @@ def _shipped_rope_type(config) -> str | None:
 def _rope_reference(model, method: str):
     """The unpatched weights configured with transformers' own form of ``method``; None where this model has no
     such config surface."""
-    from .adapters.rotary import rotary_units
+    from .adapters.rotary_units import rotary_units
 
     config = copy.deepcopy(model.config)
     units = rotary_units(model)

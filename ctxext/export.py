@@ -241,7 +241,7 @@ def _config_with(config: Any, changes: dict[str, Any]):
 def _verify_rotary(model: nn.Module, spec: PatchSpec, changes: dict[str, Any], preset: str = "default") -> str | None:
     """None where transformers' rotary modules built from the native config equal the patched ones; else why not.
     A ``longrope`` module is compared on both its sets (short: ``original_inv_freq``; long: ``long_inv_freq``)."""
-    from .adapters.rotary import RotaryUnit, long_frequencies, rotary_modules, unit_inputs
+    from .adapters.rotary_units import RotaryUnit, long_frequencies, rotary_modules, unit_inputs
     from .methods import rope as rope_methods
 
     try:
@@ -290,7 +290,7 @@ def _verify_rotary(model: nn.Module, spec: PatchSpec, changes: dict[str, Any], p
 
 
 def _rotary_form(model: nn.Module, spec: PatchSpec) -> NativeForm:
-    from .adapters.rotary import RotaryUnit, rotary_modules, unit_inputs
+    from .adapters.rotary_units import RotaryUnit, rotary_modules, unit_inputs
 
     modules = rotary_modules(model)
     if not modules or any(getattr(m, "config", None) is not model.config for _, m in modules):

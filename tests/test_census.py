@@ -108,7 +108,7 @@ def test_structure_that_misleads_is_not_patched_into_silence(required_rows):
 def test_a_rotary_module_that_ignores_its_buffers_is_refused():
     """Some rotary modules recompute their frequencies from the config in every forward (Phimoe in 5.x): a patch of
     the buffers would change nothing, so it is refused, before anything is touched."""
-    from ctxext.adapters.rotary import rotary_modules
+    from ctxext.adapters.rotary_units import rotary_modules
 
     model = census.build_tiny("llama")
     (_, module), = rotary_modules(model)

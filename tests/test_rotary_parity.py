@@ -9,7 +9,7 @@ import torch
 from conftest import rope_settings, set_rope, tiny_llama, tiny_neox
 
 import ctxext
-from ctxext.adapters.rotary import rotary_modules
+from ctxext.adapters.rotary_units import rotary_modules
 
 L0 = 64  # max_position_embeddings of the tiny models
 SEQ = 200  # > 3 x L0: well past the original length

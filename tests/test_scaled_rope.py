@@ -13,7 +13,7 @@ from checks import generate_equals_full_forward
 from conftest import _takes_rope_parameters, rope_kwargs, tiny_llama
 
 import ctxext
-from ctxext.adapters.rotary import RotaryUnit, unit_inputs
+from ctxext.adapters.rotary_units import RotaryUnit, unit_inputs
 from ctxext.errors import PatchError
 from ctxext.methods import rope
 

@@ -27,7 +27,7 @@ from ..methods import nope
 from ..methods.remap import REMAP_METHODS, PositionMap, build_map
 from ..remap_attention import REMAP, STATE_ATTR, RemapState
 from .base import Restore, run_all
-from .rotary import _saver, rope_inputs, rotary_modules
+from .rotary_units import _saver, rope_inputs, rotary_modules
 
 def _original_length(model: nn.Module, original_length: int | None) -> int:
     if original_length is not None:
@@ -85,7 +85,7 @@ def check_remap(model: nn.Module, method: str, factor: float | None, options: di
         raise PatchError(f"unknown position-remapping method {method!r}; choose one of {', '.join(REMAP_METHODS)}")
     modules = rotary_modules(model)
     if not modules:
-        from .rotary import rotary_units
+        from .rotary_units import rotary_units
 
         if rotary_units(model):
             raise PatchError(f"{type(model).__name__} has rotary frequencies per layer type; the position-remapping "
@@ -120,7 +120,7 @@ def _refuse_other_rotations(model: nn.Module) -> None:
     """The remap attention rotates q and k itself, in the rotate_half layout over the leading rotary dims: a model
     that rotates interleaved pairs, or in a way the probe does not recognise, or only part of a latent head (MLA),
     would be silently wrong."""
-    from .rotary import rotation_layout
+    from .rotary_units import rotation_layout
 
     name = type(model).__name__
     layout = rotation_layout(model)
