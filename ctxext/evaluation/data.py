@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +10,9 @@ from typing import Any
 
 import torch
 
-TEXT_SUFFIXES = (".txt", ".txt.gz")
+from ..textfiles import inner_suffix, iter_jsonl, read_text
+
+TEXT_SUFFIXES = (".txt", ".txt.gz", ".txt.xz")
 _DATASET_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
 
 
@@ -23,26 +24,11 @@ class Texts:
 
 
 def _read_text(path: Path) -> str:
-    if path.name.endswith(".gz"):
-        with gzip.open(path, "rt", encoding="utf-8") as fh:
-            return fh.read()
-    return path.read_text(encoding="utf-8")
+    return read_text(path)
 
 
 def _read_jsonl(path: Path, text_field: str) -> list[str]:
-    texts = []
-    with path.open(encoding="utf-8") as fh:
-        for number, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
-            if not isinstance(row, dict) or text_field not in row:
-                raise ValueError(f"{path}:{number}: no {text_field!r} field (choose one with --text-field)")
-            texts.append(str(row[text_field]))
-    return texts
+    return list(iter_jsonl(path, text_field, hint="choose one with --text-field"))
 
 
 def _read_json(path: Path, text_field: str) -> list[str]:
@@ -130,8 +116,9 @@ def _datasets_offline(offline: bool):
 def load_texts(data: str, *, split: str = "test", text_field: str = "text") -> Texts:
     """Read evaluation documents (one string each) from ``data``.
 
-    - a ``.jsonl`` file: one document per line, from ``text_field``; a ``.json`` list of such objects;
-    - a text file (``.txt``, ``.txt.gz`` or any other non-JSONL file): one document;
+    - a ``.jsonl`` file (also ``.jsonl.gz`` / ``.jsonl.xz``): one document per line, from ``text_field``; a
+      ``.json`` list of such objects;
+    - a text file (``.txt``, ``.txt.gz``, ``.txt.xz`` or any other non-JSONL file): one document;
     - a folder with ``.txt`` files (searched recursively, sorted by path): one document per file;
     - a folder saved by ``datasets`` (``save_to_disk``) or loadable by ``datasets.load_dataset``, or a hub
       dataset name: the ``text_field`` column of ``split``.
@@ -139,7 +126,7 @@ def load_texts(data: str, *, split: str = "test", text_field: str = "text") -> T
     path = Path(data)
     info: dict[str, Any] = {"data": data}
     if path.is_file():
-        if path.suffix == ".jsonl":
+        if inner_suffix(path) in (".jsonl", ".ndjson"):
             texts = _read_jsonl(path, text_field)
             info.update(format="jsonl", text_field=text_field)
         elif path.suffix == ".json":
@@ -156,7 +143,7 @@ def load_texts(data: str, *, split: str = "test", text_field: str = "text") -> T
         else:
             texts = _load_dataset(data, split, text_field)
             info.update(format="dataset", split=split, text_field=text_field)
-    elif data.startswith((".", "/", "~")) or data.endswith((".txt", ".jsonl", ".gz", ".json")):
+    elif data.startswith((".", "/", "~")) or data.endswith((".txt", ".jsonl", ".gz", ".xz", ".json")):
         raise FileNotFoundError(f"data file not found: {data}")
     else:
         texts = _load_dataset(data, split, text_field)

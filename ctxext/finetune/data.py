@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from .config import DataConfig, RecipeError
-from .files import JSONL_SUFFIXES, _inner_suffix, _open_text, expand_files, read_text
+from ..textfiles import iter_jsonl
+from .files import JSONL_SUFFIXES, _inner_suffix, expand_files, read_text
 
 def iter_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
     """Documents in a fixed order (at most ``max_documents``): a text file, a JSONL line or a dataset row each."""
@@ -26,18 +27,10 @@ def iter_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
 def _all_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
     for f in expand_files(paths, cfg.exclude):
         if _inner_suffix(f) in JSONL_SUFFIXES:
-            with _open_text(f) as fh:
-                for lineno, line in enumerate(fh, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        row = json.loads(line)
-                    except json.JSONDecodeError as exc:
-                        raise RecipeError(f"data.files: {f}:{lineno}: not JSON ({exc.msg})") from None
-                    if not isinstance(row, dict) or cfg.text_field not in row:
-                        raise RecipeError(f"data.files: {f}:{lineno}: no {cfg.text_field!r} field "
-                                          "(set data.text_field)")
-                    yield str(row[cfg.text_field])
+            try:
+                yield from iter_jsonl(f, cfg.text_field, hint="set data.text_field", errors="replace")
+            except ValueError as exc:
+                raise RecipeError(f"data.files: {exc}") from None
         else:
             yield read_text(f)
     if cfg.dataset:

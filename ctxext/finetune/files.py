@@ -1,41 +1,25 @@
-"""Which files a recipe's data names (folders searched, exclusions applied) and how each is read (plain or
-``.xz``-compressed text)."""
+"""Which files a recipe's data names (folders searched, exclusions applied); they are read by
+``ctxext.textfiles``, as evaluation reads its files."""
 
 from __future__ import annotations
 
 import fnmatch
-import lzma
 from pathlib import Path
 
+from .. import textfiles
+from ..textfiles import inner_suffix as _inner_suffix
+from ..textfiles import plain_name as _plain_name
 from .errors import RecipeError
 
 TEXT_SUFFIXES = {".txt", ".md", ".text", ".rst"}
 JSONL_SUFFIXES = {".jsonl", ".ndjson"}
-#: compressed files are read through lzma; the suffix before it decides text or JSONL (``book.txt.xz``)
-COMPRESSED_SUFFIXES = {".xz"}
-
-
-def _plain_name(path: Path) -> str:
-    """The file name without a compression suffix: ``book.txt.xz`` -> ``book.txt``."""
-    return path.stem if path.suffix.lower() in COMPRESSED_SUFFIXES else path.name
-
-
-def _inner_suffix(path: Path) -> str:
-    return Path(_plain_name(path)).suffix.lower()
-
-
-def _open_text(path: Path):
-    if path.suffix.lower() in COMPRESSED_SUFFIXES:
-        return lzma.open(path, "rt", encoding="utf-8", errors="replace")
-    return path.open(encoding="utf-8", errors="replace")
 
 
 def read_text(path: Path) -> str:
     try:
-        with _open_text(path) as fh:
-            return fh.read()
-    except lzma.LZMAError as exc:
-        raise RecipeError(f"data: {path}: not a valid .xz file ({exc})") from None
+        return textfiles.read_text(path, errors="replace")
+    except ValueError as exc:
+        raise RecipeError(f"data: {exc}") from None
 
 
 def _excluded(path: Path, exclude: list[str]) -> bool:

@@ -1,0 +1,55 @@
+"""Reading text data from files, for evaluation and fine-tuning alike: plain or compressed (``.gz``, ``.xz``) text,
+and JSON lines holding the text in one field."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import lzma
+from collections.abc import Iterator
+from pathlib import Path
+
+#: Compressed files are opened through these; the suffix before it decides the kind (``book.txt.xz``).
+COMPRESSED_SUFFIXES = {".gz": gzip.open, ".xz": lzma.open}
+
+
+def plain_name(path: Path) -> str:
+    """The file name without a compression suffix: ``book.txt.xz`` -> ``book.txt``."""
+    return path.stem if path.suffix.lower() in COMPRESSED_SUFFIXES else path.name
+
+
+def inner_suffix(path: Path) -> str:
+    """The suffix that says what the file holds: ``.txt`` for ``book.txt.xz``."""
+    return Path(plain_name(path)).suffix.lower()
+
+
+def open_text(path: Path, errors: str = "strict"):
+    opener = COMPRESSED_SUFFIXES.get(path.suffix.lower())
+    if opener is not None:
+        return opener(path, "rt", encoding="utf-8", errors=errors)
+    return path.open(encoding="utf-8", errors=errors)
+
+
+def read_text(path: Path, errors: str = "strict") -> str:
+    """The whole file as text; ValueError naming the file where a compressed file is damaged."""
+    try:
+        with open_text(path, errors) as fh:
+            return fh.read()
+    except (lzma.LZMAError, gzip.BadGzipFile, EOFError) as exc:
+        raise ValueError(f"{path}: not a valid {path.suffix} file ({exc})") from None
+
+
+def iter_jsonl(path: Path, text_field: str, hint: str, errors: str = "strict") -> Iterator[str]:
+    """The ``text_field`` of every non-blank line; ValueError with ``path:line`` (and ``hint``, how to choose
+    another field) for a line that is not a JSON object holding it."""
+    with open_text(path, errors) as fh:
+        for number, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
+            if not isinstance(row, dict) or text_field not in row:
+                raise ValueError(f"{path}:{number}: no {text_field!r} field ({hint})")
+            yield str(row[text_field])
