@@ -1,0 +1,280 @@
+"""Train one tiny decoder per position scheme at one length, evaluate at 1x-8x, write lab.json / lab.md / lab.png."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import io
+import math
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .data import COPY_RANGE, corpus
+from .io import check_not_finished, write_atomic, write_json
+from .model import ModelConfig, build_model
+from .positions import DEFAULT_SCHEMES, SCHEMES
+from .train import evaluate, train_model
+
+#: A scheme "degrades" when its last-quarter perplexity at DEGRADE_FACTOR x the training length is at least
+#: DEGRADE_RATIO times its value at 1x.
+DEGRADE_FACTOR = 4
+DEGRADE_RATIO = 2.0
+#: A scheme "extrapolates" when its last-quarter perplexity at the longest length is at most EXTRAPOLATE_RATIO
+#: times its value at 1x.
+EXTRAPOLATE_RATIO = 1.25
+#: NoPE "generalises on a task" when, at 2x, its copy accuracy keeps at least NOPE_COPY_KEEP of its 1x accuracy
+#: (and that is at least NOPE_COPY_MIN) or its last-quarter perplexity stays within EXTRAPOLATE_RATIO.
+NOPE_COPY_KEEP = 0.5
+NOPE_COPY_MIN = 0.05
+#: A claim about what happens past the training length is only judged for a scheme that reads far context: one
+#: that learned the copy task at 1x (copy accuracy at least CONTEXT_COPY_MIN). A model that does not use context
+#: cannot show context extension either way; its verdict says "inconclusive" with the number.
+CONTEXT_COPY_MIN = 0.5
+
+
+@dataclass(frozen=True)
+class LabSettings:
+    train_len: int = 128
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    d_ff: int = 512
+    batch: int = 24
+    steps: int = 500
+    lr: float = 2e-3
+    warmup: int = 30
+    copy_fraction: float = 0.5
+    factors: tuple[int, ...] = (1, 2, 4, 8)
+    eval_windows: int = 16
+    copy_seqs: int = 32
+    seed: int = 0
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(d_model=self.d_model, n_layers=self.n_layers, n_heads=self.n_heads, d_ff=self.d_ff,
+                           train_len=self.train_len)
+
+    def check(self) -> None:
+        for name in ("train_len", "d_model", "n_layers", "n_heads", "d_ff", "batch", "steps", "eval_windows",
+                     "copy_seqs"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"d_model {self.d_model} must split into {self.n_heads} heads of even size")
+        if self.train_len < 8:
+            raise ValueError(f"train_len must be at least 8, got {self.train_len}")
+        if not (self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"lr must be a positive number, got {self.lr!r}")
+        if not 0 <= self.copy_fraction <= 1:
+            raise ValueError(f"copy_fraction must be in [0, 1], got {self.copy_fraction!r}")
+        if not self.factors or any(not isinstance(f, int) or f < 1 for f in self.factors):
+            raise ValueError(f"factors must be positive integers, got {self.factors!r}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup!r}")
+
+    @staticmethod
+    def from_dict(d: dict) -> "LabSettings":
+        d = dict(d)
+        d["factors"] = tuple(d.get("factors", (1, 2, 4, 8)))
+        return LabSettings(**{k: v for k, v in d.items() if k in {f.name for f in dataclasses.fields(LabSettings)}})
+
+
+#: ``ctxext lab --quick``: <= 5 minutes on 2 CPU cores.
+QUICK = LabSettings(train_len=64, batch=24, steps=200, warmup=20, eval_windows=16, copy_seqs=32)
+#: ``ctxext lab``: <= 30 minutes on 2 CPU cores.
+FULL = LabSettings()
+
+
+def parse_schemes(text: str | None) -> list[str]:
+    if text is None:
+        return list(DEFAULT_SCHEMES)
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    if not names:
+        raise ValueError("--schemes is empty")
+    bad = [s for s in names if s not in SCHEMES]
+    if bad:
+        raise ValueError(f"unknown scheme(s) {', '.join(bad)}; choose from {', '.join(SCHEMES)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--schemes names a scheme twice: {text}")
+    return names
+
+
+def machine_info() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def model_path(out: Path, scheme: str) -> Path:
+    return Path(out) / "models" / f"{scheme}.pt"
+
+
+def save_model(model, path: Path) -> None:
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    write_atomic(path, buf.getvalue())
+
+
+def train_scheme(scheme, settings: LabSettings, stream):
+    model = build_model(settings.model_config(), scheme, seed=settings.seed)
+    t = time.perf_counter()
+    loss = train_model(model, stream, steps=settings.steps, batch=settings.batch, length=settings.train_len,
+                       lr=settings.lr, warmup=min(settings.warmup, settings.steps), seed=settings.seed + 1,
+                       copy_fraction=settings.copy_fraction)
+    return model, loss, time.perf_counter() - t
+
+
+def _log(msg, progress):
+    if progress:
+        print(msg, file=sys.stderr, flush=True)
+
+
+def run_lab(settings: LabSettings, schemes, out, *, overwrite=False, plot=True, progress=True) -> dict:
+    """Train and evaluate every scheme; write lab.json, lab.md (and lab.png) under ``out``; return the results."""
+    settings.check()
+    schemes = parse_schemes(schemes if isinstance(schemes, str) else ",".join(schemes))
+    out = Path(out)
+    check_not_finished(out, "lab.json", overwrite)
+    t0 = time.perf_counter()
+    train, held = corpus()
+    _log(f"lab: corpus {len(train)} training / {len(held)} held-out tokens ({time.perf_counter() - t0:.0f}s)", progress)
+    results = {}
+    for scheme in schemes:
+        model, loss, secs = train_scheme(scheme, settings, train)
+        _log(f"lab: {scheme}: trained {settings.steps} steps, loss {loss:.3f} ({secs:.0f}s; "
+             f"{time.perf_counter() - t0:.0f}s elapsed)", progress)
+        save_model(model, model_path(out, scheme))
+        t = time.perf_counter()
+        ev = evaluate(model, held, train_len=settings.train_len, factors=settings.factors,
+                      windows=settings.eval_windows, copy_seqs=settings.copy_seqs, seed=settings.seed + 100)
+        results[scheme] = {"final_train_loss": loss, "train_seconds": secs, "eval_seconds": time.perf_counter() - t,
+                           "parameters": sum(p.numel() for p in model.parameters()), "lengths": ev}
+        _log(f"lab: {scheme}: evaluated ({time.perf_counter() - t:.0f}s; {time.perf_counter() - t0:.0f}s elapsed)",
+             progress)
+    doc = {
+        "settings": dataclasses.asdict(settings),
+        "schemes": schemes,
+        "copy_task": {"alphabet": list(COPY_RANGE), "chance_accuracy": 1 / (COPY_RANGE[1] - COPY_RANGE[0])},
+        "machine": machine_info(),
+        "results": results,
+        "verdicts": verdicts(results, settings.train_len),
+        "thresholds": {"DEGRADE_FACTOR": DEGRADE_FACTOR, "DEGRADE_RATIO": DEGRADE_RATIO,
+                       "EXTRAPOLATE_RATIO": EXTRAPOLATE_RATIO, "NOPE_COPY_KEEP": NOPE_COPY_KEEP,
+                       "CONTEXT_COPY_MIN": CONTEXT_COPY_MIN,
+                       "NOPE_COPY_MIN": NOPE_COPY_MIN},
+        "wall_seconds": time.perf_counter() - t0,
+    }
+    write_json(out / "models" / "settings.json", {"settings": doc["settings"], "schemes": schemes})
+    write_atomic(out / "lab.md", format_table(doc, markdown=True) + "\n\n" + "\n".join(f"- {v}" for v in doc["verdicts"]) + "\n")
+    if plot:
+        from .plot import plot_lab
+
+        plot_lab(doc, out / "lab.png")
+    write_json(out / "lab.json", doc)  # last: its presence marks a finished run
+    return doc
+
+
+# ----------------------------------------------------------------------------------------------- table, verdicts
+
+def _cell(r: dict, key: str, fmt: str) -> str:
+    return "cannot run" if "cannot_run" in r else format(r[key], fmt)
+
+
+def format_table(doc: dict, markdown: bool = False) -> str:
+    factors = doc["settings"]["factors"]
+    T = doc["settings"]["train_len"]
+    head = ["scheme"] + [f"ppl {f}x" for f in factors] + [f"last-q ppl {f}x" for f in factors] + \
+        [f"copy {f}x" for f in factors] + ["train s"]
+    rows = []
+    for s, res in doc["results"].items():
+        L = res["lengths"]
+        rows.append([s] + [_cell(L[f"{f}x"], "ppl", ".1f") for f in factors]
+                    + [_cell(L[f"{f}x"], "ppl_last_quarter", ".1f") for f in factors]
+                    + [_cell(L[f"{f}x"], "copy_accuracy", ".2f") for f in factors] + [f"{res['train_seconds']:.0f}"])
+    title = f"Training length {T} tokens; evaluated at {', '.join(f'{f}x' for f in factors)} (ppl on held-out Emma)"
+    if markdown:
+        lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    fmt = lambda r: "  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
+    return "\n".join([title, fmt(head)] + [fmt(r) for r in rows])
+
+
+def _lq(res, f):
+    r = res["lengths"].get(f"{f}x")
+    return None if r is None or "cannot_run" in r else r["ppl_last_quarter"]
+
+
+def _judged(held: bool, res: dict) -> str:
+    """'held' / 'NOT held', or 'inconclusive' where the scheme did not learn to read far context."""
+    copy = res["lengths"].get("1x", {}).get("copy_accuracy")
+    if copy is None or copy < CONTEXT_COPY_MIN:
+        shown = "n/a" if copy is None else f"{copy:.2f}"
+        return (f"inconclusive: copy accuracy {shown} at 1x < {CONTEXT_COPY_MIN:g}, the model does not read far "
+                f"context (would read {'held' if held else 'NOT held'})")
+    return "held" if held else "NOT held"
+
+
+def verdicts(results: dict, train_len: int) -> list[str]:
+    """One plain sentence per textbook claim, computed from ``results`` (``run_lab``'s per-scheme dict)."""
+    out = []
+    for s, res in results.items():
+        L = res["lengths"]
+        factors = sorted(int(k[:-1]) for k in L)
+        if s == "learned":
+            runs1 = "cannot_run" not in L.get("1x", {"cannot_run": ""})
+            longer = [f for f in factors if f > 1]
+            blocked = [f for f in longer if "cannot_run" in L[f"{f}x"]]
+            held = runs1 and longer and len(blocked) == len(longer)
+            out.append(f"learned: cannot run past {train_len} positions ({'held' if held else 'NOT held'}: "
+                       f"runs at 1x: {runs1}, refused at {', '.join(f'{f}x' for f in blocked) or 'none'})")
+        elif s in ("rope", "sinusoidal"):
+            base, f = _lq(res, 1), max((x for x in factors if x <= DEGRADE_FACTOR), default=None)
+            if base is None or f is None or f == 1 or _lq(res, f) is None:
+                out.append(f"{s}: degrades past the training length (not measured)")
+                continue
+            ratio = _lq(res, f) / base
+            held = ratio >= DEGRADE_RATIO
+            out.append(f"{s}: last-quarter ppl x{ratio:.2f} at {f}x (degrades, >= x{DEGRADE_RATIO:g}: "
+                       f"{_judged(held, res)})")
+        elif s == "alibi":
+            f = max(factors)
+            if _lq(res, 1) is None or f == 1 or _lq(res, f) is None:
+                out.append("alibi: extrapolates (not measured)")
+                continue
+            ratio = _lq(res, f) / _lq(res, 1)
+            held = ratio <= EXTRAPOLATE_RATIO
+            out.append(f"alibi: last-quarter ppl x{ratio:.2f} at {f}x (extrapolates, <= x{EXTRAPOLATE_RATIO:g}: "
+                       f"{_judged(held, res)})")
+        elif s == "nope":
+            if 2 not in factors or "cannot_run" in L["1x"] or "cannot_run" in L["2x"]:
+                out.append("nope: generalises on some tasks (not measured)")
+                continue
+            a1, a2 = L["1x"]["copy_accuracy"], L["2x"]["copy_accuracy"]
+            ratio = L["2x"]["ppl_last_quarter"] / L["1x"]["ppl_last_quarter"]
+            copy_ok = a1 >= NOPE_COPY_MIN and a2 >= NOPE_COPY_KEEP * a1
+            text_ok = ratio <= EXTRAPOLATE_RATIO
+            tasks = [t for t, ok in (("copy", copy_ok), ("text", text_ok)) if ok]
+            verdict = ("held, on " + " and ".join(tasks)) if copy_ok else _judged(bool(tasks), res)
+            if not copy_ok and tasks and verdict == "held":
+                verdict = "held, on text"
+            out.append(f"nope: copy accuracy {a1:.2f} at 1x -> {a2:.2f} at 2x, last-quarter ppl x{ratio:.2f} at 2x "
+                       f"(generalises on some task: {verdict})")
+        else:
+            f = max(factors)
+            if _lq(res, 1) is not None and f > 1 and _lq(res, f) is not None:
+                out.append(f"{s}: last-quarter ppl x{_lq(res, f) / _lq(res, 1):.2f} at {f}x (no textbook claim checked)")
+    return out

@@ -1,0 +1,165 @@
+"""`ctxext lab shift`: the start-offset probe. The same held-out windows of W tokens are read at positions
+k..k+W-1 for several k. A learned absolute table sees rows it never saw at a window start, so perplexity
+rises with k; ALiBi's bias depends only on distances (exactly flat), RoPE's scores only on m - n (flat up to
+rounding)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from .data import corpus, eval_windows
+from .io import check_not_finished, write_atomic, write_json
+from .model import build_model
+from .run import FULL, QUICK, LabSettings, machine_info, model_path, parse_schemes, save_model, train_scheme
+from .train import perplexity
+
+DEFAULT_SHIFT_SCHEMES = ("learned", "sinusoidal", "rope", "alibi")
+#: A scheme is "flat" when its perplexity at every offset is within FLAT_TOLERANCE (relative) of offset 0,
+#: and "rises" when the perplexity at the largest offset is at least RISE_RATIO times the one at offset 0.
+FLAT_TOLERANCE = 1e-3
+RISE_RATIO = 1.1
+
+
+def default_window(settings: LabSettings) -> int:
+    return max(8, settings.train_len // 8)
+
+
+def default_offsets(settings: LabSettings, window: int) -> list[int]:
+    top = settings.train_len - window
+    return sorted({0, *[k for k in (16, 32, 64) if k < top], top})
+
+
+def parse_offsets(text: str | None):
+    if text is None:
+        return None
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--offsets must be comma-separated integers, got {text!r}") from None
+    if not vals or any(v < 0 for v in vals):
+        raise ValueError(f"--offsets must be non-negative integers, got {text!r}")
+    return sorted(set(vals))
+
+
+def check_offsets(settings: LabSettings, schemes, window: int, offsets) -> None:
+    if window < 2:
+        raise ValueError(f"--window must be at least 2, got {window}")
+    if "learned" in schemes and max(offsets) + window > settings.train_len:
+        raise ValueError(f"offset {max(offsets)} + window {window} exceeds the learned table's {settings.train_len} "
+                         f"rows; use offsets <= {settings.train_len - window}")
+
+
+def shift_perplexities(model, windows: torch.Tensor, offsets) -> list[dict]:
+    out = []
+    for k in offsets:
+        ppl, lq = perplexity(model, windows, offset=k)
+        out.append({"offset": k, "ppl": ppl, "ppl_last_quarter": lq})
+    return out
+
+
+def load_lab_models(out: Path, schemes):
+    """The lab's saved models under ``out/models`` (and their settings), or None when any is missing."""
+    meta = Path(out) / "models" / "settings.json"
+    if not meta.exists() or not all(model_path(out, s).exists() for s in schemes):
+        return None
+    settings = LabSettings.from_dict(json.loads(meta.read_text())["settings"])
+    models = {}
+    for s in schemes:
+        m = build_model(settings.model_config(), s, seed=settings.seed)
+        m.load_state_dict(torch.load(model_path(out, s), map_location="cpu", weights_only=True))
+        models[s] = m.eval()
+    return settings, models
+
+
+def shift_verdicts(results: dict) -> list[str]:
+    out = []
+    for s, rows in results.items():
+        base = rows[0]["ppl"]
+        dev = max(abs(r["ppl"] / base - 1) for r in rows)
+        last = rows[-1]
+        ratio = last["ppl"] / base
+        if s == "learned":
+            out.append(f"learned: ppl x{ratio:.2f} at k={last['offset']} vs k=0 "
+                       f"(rises, >= x{RISE_RATIO:g}: {'held' if ratio >= RISE_RATIO else 'NOT held'})")
+        elif s in ("alibi", "rope", "nope", "t5"):
+            out.append(f"{s}: largest relative change {dev:.1e} over offsets "
+                       f"(flat, <= {FLAT_TOLERANCE:g}: {'held' if dev <= FLAT_TOLERANCE else 'NOT held'})")
+        else:
+            out.append(f"{s}: ppl x{ratio:.2f} at k={last['offset']} vs k=0")
+    return out
+
+
+def format_shift(doc: dict, markdown: bool = False) -> str:
+    offsets = [r["offset"] for r in next(iter(doc["results"].values()))]
+    head = ["scheme"] + [f"k={k}" for k in offsets]
+    rows = [[s] + [f"{r['ppl']:.2f}" for r in rows] for s, rows in doc["results"].items()]
+    title = (f"Perplexity of {doc['n_windows']} held-out windows of {doc['window']} tokens read at positions k..k+"
+             f"{doc['window'] - 1} (trained at {doc['settings']['train_len']})")
+    if markdown:
+        return "\n".join([title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                         + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    return "\n".join([title] + ["  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths)))
+                                for r in [head] + rows])
+
+
+def run_shift(out, *, quick=False, schemes=None, offsets=None, window=None, n_windows=32, steps=None,
+              overwrite=False, plot=True, progress=True, settings: LabSettings | None = None) -> dict:
+    """Reuse the lab models in ``out/models`` when present (else train them with the quick or full settings),
+    and measure perplexity at each start offset."""
+    if schemes is None:
+        schemes = list(DEFAULT_SHIFT_SCHEMES)
+    schemes = parse_schemes(schemes if isinstance(schemes, str) else ",".join(schemes))
+    if n_windows < 1:
+        raise ValueError(f"--windows must be positive, got {n_windows}")
+    out = Path(out)
+    check_not_finished(out, "shift.json", overwrite)
+    loaded = load_lab_models(out, schemes) if settings is None and steps is None else None
+    if loaded is None and settings is None and steps is None and (out / "models" / "settings.json").exists():
+        have = sorted(p.stem for p in (out / "models").glob("*.pt"))
+        raise ValueError(f"the lab models in {out / 'models'} are {', '.join(have) or 'none'}; they lack "
+                         f"{', '.join(s for s in schemes if s not in have)}: pass --schemes from those, or "
+                         f"--steps N to train new models")
+    if loaded is not None:
+        settings, models = loaded
+    else:
+        settings = settings or (QUICK if quick else FULL)
+        if steps is not None:
+            settings = dataclasses.replace(settings, steps=steps)
+        settings.check()
+        models = None
+    window = window or default_window(settings)
+    offsets = offsets or default_offsets(settings, window)
+    check_offsets(settings, schemes, window, offsets)
+    t0 = time.perf_counter()
+    train, held = corpus()
+    if models is None:
+        models = {}
+        for s in schemes:
+            models[s], loss, secs = train_scheme(s, settings, train)
+            if progress:
+                print(f"lab shift: {s}: trained {settings.steps} steps, loss {loss:.3f} ({secs:.0f}s)", file=sys.stderr,
+                      flush=True)
+            save_model(models[s], out / "shift-models" / f"{s}.pt")
+    elif progress:
+        print(f"lab shift: reusing the lab models in {out / 'models'}", file=sys.stderr, flush=True)
+    windows = eval_windows(held, window, n_windows)
+    results = {s: shift_perplexities(models[s], windows, offsets) for s in schemes}
+    doc = {"settings": dataclasses.asdict(settings), "reused_lab_models": loaded is not None, "window": window,
+           "n_windows": len(windows), "offsets": offsets, "machine": machine_info(), "results": results,
+           "verdicts": shift_verdicts(results),
+           "thresholds": {"FLAT_TOLERANCE": FLAT_TOLERANCE, "RISE_RATIO": RISE_RATIO},
+           "wall_seconds": time.perf_counter() - t0}
+    write_atomic(out / "shift.md", format_shift(doc, markdown=True) + "\n\n" + "\n".join(f"- {v}" for v in doc["verdicts"]) + "\n")
+    if plot:
+        from .plot import plot_shift
+
+        plot_shift(doc, out / "shift.png")
+    write_json(out / "shift.json", doc)
+    return doc
