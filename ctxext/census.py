@@ -512,6 +512,8 @@ def check_method(entry: _Model, method: str) -> Row:
                 failures.append(f"cached decoding differs from the full pass ({d:.2e})")
             else:
                 row.checks.append("cache")
+        else:
+            row.checks.append(f"cache n/a ({entry.cache_note})")
         # unpatch is exact
         ctxext.unpatch(model)
         if not torch.equal(_logits(model, entry.short), entry.base_short):
