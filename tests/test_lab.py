@@ -117,7 +117,7 @@ def test_verdicts_come_from_the_numbers():
     res = {
         "learned": _res({1: 100, 2: None, 4: None, 8: None}),
         "rope": _res({1: 100, 2: 150, 4: 310, 8: 900}, copy={1: 0.9}),
-        "sinusoidal": _res({1: 100, 2: 110, 4: 150, 8: 200}, copy={1: 0.9}),
+        "sinusoidal": _res({1: 100, 2: 110, 4: 150, 8: 200}, copy={1: 0.9, 2: 0.9}),
         "alibi": _res({1: 100, 2: 99, 4: 101, 8: 105}, copy={1: 0.9}),
         "nope": _res({1: 100, 2: 300}, copy={1: 0.8, 2: 0.6}),
     }
@@ -133,6 +133,12 @@ def test_verdicts_come_from_the_numbers():
     v = dict(line.split(":", 1) for line in verdicts(res, 64))
     assert "x4.00 at 8x" in v["alibi"] and "NOT held" in v["alibi"]
     assert "NOT held" in v["learned"] and "NOT held" in v["nope"]
+    # the recall form: perfect copying at 1x lost at 2x is degradation even where perplexity barely moves
+    res["rope"] = _res({1: 100, 2: 110, 4: 120, 8: 130}, copy={1: 1.0, 2: 0.01})
+    v = dict(line.split(":", 1) for line in verdicts(res, 64))
+    assert "copy accuracy 1.00 at 1x -> 0.01 at 2x" in v["rope"] and "held, on copy" in v["rope"]
+    res["rope"] = _res({1: 100, 2: 110, 4: 120, 8: 130}, copy={1: 1.0, 2: 0.5})
+    assert "NOT held" in dict(line.split(":", 1) for line in verdicts(res, 64))["rope"]
     # a model that did not learn to read far context gets no verdict on extrapolation, only the numbers
     res["rope"] = _res({1: 100, 2: 150, 4: 310, 8: 900}, copy={1: 0.01})
     res["nope"] = _res({1: 100, 2: 105}, copy={1: 0.0, 2: 0.0})

@@ -32,6 +32,10 @@ EXTRAPOLATE_RATIO = 1.25
 #: (and that is at least NOPE_COPY_MIN) or its last-quarter perplexity stays within EXTRAPOLATE_RATIO.
 NOPE_COPY_KEEP = 0.5
 NOPE_COPY_MIN = 0.05
+#: ... or when its copy accuracy falls from at least RECALL_HIGH at 1x to at most RECALL_LOW at 2x (the issue's
+#: recall form of the same claim: the model read far context at 1x and cannot past it).
+RECALL_HIGH = 0.9
+RECALL_LOW = 0.2
 #: A claim about what happens past the training length is only judged for a scheme that reads far context: one
 #: that learned the copy task at 1x (copy accuracy at least CONTEXT_COPY_MIN). A model that does not use context
 #: cannot show context extension either way; its verdict says "inconclusive" with the number.
@@ -172,7 +176,7 @@ def run_lab(settings: LabSettings, schemes, out, *, overwrite=False, plot=True, 
         "verdicts": verdicts(results, settings.train_len),
         "thresholds": {"DEGRADE_FACTOR": DEGRADE_FACTOR, "DEGRADE_RATIO": DEGRADE_RATIO,
                        "EXTRAPOLATE_RATIO": EXTRAPOLATE_RATIO, "NOPE_COPY_KEEP": NOPE_COPY_KEEP,
-                       "CONTEXT_COPY_MIN": CONTEXT_COPY_MIN,
+                       "CONTEXT_COPY_MIN": CONTEXT_COPY_MIN, "RECALL_HIGH": RECALL_HIGH, "RECALL_LOW": RECALL_LOW,
                        "NOPE_COPY_MIN": NOPE_COPY_MIN},
         "wall_seconds": time.perf_counter() - t0,
     }
@@ -247,9 +251,13 @@ def verdicts(results: dict, train_len: int) -> list[str]:
                 out.append(f"{s}: degrades past the training length (not measured)")
                 continue
             ratio = _lq(res, f) / base
-            held = ratio >= DEGRADE_RATIO
-            out.append(f"{s}: last-quarter ppl x{ratio:.2f} at {f}x (degrades, >= x{DEGRADE_RATIO:g}: "
-                       f"{_judged(held, res)})")
+            c1, c2 = L["1x"].get("copy_accuracy"), L.get("2x", {}).get("copy_accuracy")
+            recall_lost = c1 is not None and c2 is not None and c1 >= RECALL_HIGH and c2 <= RECALL_LOW
+            held = ratio >= DEGRADE_RATIO or recall_lost
+            copy = "" if c2 is None or c1 is None else f"; copy accuracy {c1:.2f} at 1x -> {c2:.2f} at 2x"
+            how = "held, on copy" if recall_lost and ratio < DEGRADE_RATIO else _judged(held, res)
+            out.append(f"{s}: last-quarter ppl x{ratio:.2f} at {f}x{copy} (degrades, ppl >= x{DEGRADE_RATIO:g} or "
+                       f"copy >= {RECALL_HIGH:g} -> <= {RECALL_LOW:g}: {how})")
         elif s == "alibi":
             f = max(factors)
             if _lq(res, 1) is None or f == 1 or _lq(res, f) is None:
