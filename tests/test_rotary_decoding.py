@@ -119,7 +119,7 @@ def test_dynamic_scale_is_fixed_once_per_forward_pass_of_the_model():
     torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=1e-4, rtol=0)
     # outside a pass of the patched model (a rotary module called on its own) every call still sets the scale
     second(torch.zeros(1, 70, 8), torch.arange(70)[None])
-    assert second._ctxext_dynamic.length == 70
+    assert second._ctxext_dynamic.sequence.length == 70
 
 
 def test_dynamic_ntk_on_deepseek_v4_decodes_like_its_full_pass():

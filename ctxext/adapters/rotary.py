@@ -79,42 +79,19 @@ class DynamicNTKHook:
         self.sequence = sequence or SequenceScale()
         self._applied: int | None = None
 
-    @property
-    def length_hint(self) -> int | None:
-        return self.sequence.length_hint
-
-    @length_hint.setter
-    def length_hint(self, value: int | None) -> None:
-        self.sequence.length_hint = value
-
-    @property
-    def length(self) -> int | None:
-        return self.sequence.length
-
-    @length.setter
-    def length(self, value: int | None) -> None:
-        self.sequence.length = value
-
-    @property
-    def pass_state(self) -> str | None:
-        return self.sequence.pass_state
-
-    @pass_state.setter
-    def pass_state(self, value: str | None) -> None:
-        self.sequence.pass_state = value
-
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict):
         position_ids = kwargs.get("position_ids", args[1] if len(args) > 1 else None)
         if position_ids is None:
             return None
         start = int(position_ids.min())
         end = int(position_ids.max()) + 1
-        decides = self.pass_state != "locked"
-        if self.pass_state == "start":
-            self.pass_state = "locked"
-        if decides and (start == 0 or self.length is None):
-            self.length = max(end, self.length_hint or 0)
-        target = max(self.length, self.inputs.original_length)
+        seq = self.sequence
+        decides = seq.pass_state != "locked"
+        if seq.pass_state == "start":
+            seq.pass_state = "locked"
+        if decides and (start == 0 or seq.length is None):
+            seq.length = max(end, seq.length_hint or 0)
+        target = max(seq.length, self.inputs.original_length)
         if target != self._applied:
             for unit, inputs in self.targets:
                 inv_freq, _ = rope.dynamic_ntk_scale(inputs, self.factor, target)
@@ -143,19 +120,31 @@ def planned_generate_length(model: nn.Module, args: tuple, kwargs: dict) -> int 
     return max(prompt, int(max_length)) if max_length is not None else prompt
 
 
-def _mark_model_passes(model: nn.Module, hooks: list[DynamicNTKHook]) -> Restore:
+def _mark_model_passes(model: nn.Module, sequence: SequenceScale) -> Restore:
     """Tell the dynamic hooks where each forward pass of ``model`` starts and ends (see ``DynamicNTKHook``)."""
 
     def started(module, args):
-        for hook in hooks:
-            hook.pass_state = "start"
+        sequence.pass_state = "start"
 
     def ended(module, args, output):
-        for hook in hooks:
-            hook.pass_state = None
+        sequence.pass_state = None
 
     handles = [model.register_forward_pre_hook(started), model.register_forward_hook(ended, always_call=True)]
     return lambda: [handle.remove() for handle in handles]
+
+
+def _plan_length(model: nn.Module, length: int | None) -> Restore | None:
+    """Set the planned total length of the model's dynamic-NTK sequence (shared by its hooks); None if it has none."""
+    hooks = dynamic_hooks(model)
+    if not hooks:
+        return None
+    sequence = hooks[0].sequence
+    sequence.length_hint = length
+
+    def forget():
+        sequence.length_hint = None
+
+    return forget
 
 
 def _wrap_generate(model: nn.Module) -> Restore:
@@ -163,15 +152,12 @@ def _wrap_generate(model: nn.Module) -> Restore:
 
     @functools.wraps(original)
     def generate(*args, **kwargs):
-        hooks = dynamic_hooks(model)
-        total = planned_generate_length(model, args, kwargs)
-        for hook in hooks:
-            hook.length_hint = total
+        forget = _plan_length(model, planned_generate_length(model, args, kwargs))
         try:
             return original(*args, **kwargs)
         finally:
-            for hook in hooks:
-                hook.length_hint = None
+            if forget is not None:
+                forget()
 
     model.generate = generate
     return lambda: model.__dict__.pop("generate", None)
@@ -199,17 +185,7 @@ class RotaryAdapter(Adapter):
     }
 
     def plan_length(self, model: nn.Module, length: int) -> Restore | None:
-        hooks = dynamic_hooks(model)
-        if not hooks:
-            return None
-        for hook in hooks:
-            hook.length_hint = length
-
-        def forget():
-            for hook in hooks:
-                hook.length_hint = None
-
-        return forget
+        return _plan_length(model, length)
 
     def detect(self, model: nn.Module) -> bool:
         # a model whose rotary module is never applied (positions from ALiBi) is left to the ALiBi adapters
@@ -267,7 +243,7 @@ class RotaryAdapter(Adapter):
                 hooks.append(hook)
                 undo.append(functools.partial(_remove_hook, module, handle))
             if hooks:
-                undo.append(_mark_model_passes(model, hooks))
+                undo.append(_mark_model_passes(model, sequence))
             if spec.method == "dynamic-ntk":
                 undo.append(_wrap_generate(model))
             if spec.method == "alibi":
