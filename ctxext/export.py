@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from .errors import PatchError
-from .native_form import NativeForm, NoNativeForm
+from .native_form import NativeForm, NoNativeForm, no_form_reason
 from .spec import CONFIG_KEY, NATIVE_KEY, TENSORS_KEY, PatchSpec
 
 #: Relative tolerance between the patched model's rotary frequencies / attention scale and those transformers
@@ -78,18 +78,13 @@ def native_form(model: nn.Module, spec: PatchSpec | None = None, *, check_only: 
     adapter = find_adapter(model)
     if adapter.family == "rotary":
         return _rotary_form(model, spec)
-    if adapter.family == "gpt2":
-        from .adapters.gpt2 import native_form as gpt2_form
-
-        return gpt2_form(model, spec, check_only=check_only)
     if adapter.family == "bloom" and spec.method == "extrapolate":
         return NativeForm({}, summary="ALiBi unchanged, max_position_embeddings advertised")
-    raise NoNativeForm(_no_form_reason(spec, adapter.title))
+    return adapter.native_form(model, spec, check_only=check_only)  # learned tables: a resized table
 
 
 def _no_form_reason(spec: PatchSpec, title: str) -> str:
-    return (f"method {spec.method!r} on {title} has no transformers-native form (transformers has no rope type, "
-            "config field or weight layout that computes it)")
+    return no_form_reason(spec.method, title)
 
 
 def check_native(model: nn.Module) -> str | None:
@@ -382,9 +377,9 @@ def restore_original_tensors(model: nn.Module, pretrained: Any, block: dict[str,
     except Exception as exc:  # noqa: BLE001
         raise OSError(f"{pretrained}: the natively exported checkpoint lacks {name}, which holds the tensors the "
                       f"export replaced ({exc}); load it with AutoModelForCausalLM.from_pretrained instead") from exc
-    from .adapters.gpt2 import restore_exported
+    from .adapters import find_adapter
 
-    restore_exported(model, load_file(path), PatchSpec.from_dict(block))
+    find_adapter(model).restore_exported(model, load_file(path), PatchSpec.from_dict(block))
 
 
 # -- the export command's work -------------------------------------------------------------------------------------

@@ -26,3 +26,8 @@ class NativeForm:
 
 class NoNativeForm(PatchError):
     """The patch has no exact transformers-native form on this model (the reason is the message)."""
+
+
+def no_form_reason(method: str, title: str) -> str:
+    return (f"method {method!r} on {title} has no transformers-native form (transformers has no rope type, "
+            "config field or weight layout that computes it)")

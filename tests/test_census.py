@@ -34,8 +34,9 @@ REQUIRED = {
     "mpt": "alibi-bias",
     "gpt2": "learned",
     "gptj": "refused",
-    "opt": "refused",
-    "biogpt": "refused",
+    "xglm": "refused",  # a fixed sinusoidal table, not a learned one
+    "opt": "learned",
+    "biogpt": "learned",
     # models that ship scaled RoPE (issue 11 item 5): the methods that scale frequencies compose on it
     "llama+linear": "scaled",
     "llama+yarn": "scaled",

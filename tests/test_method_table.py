@@ -24,7 +24,8 @@ def test_every_cell_says_what_happens_or_why_not():
 def test_available_methods_matches_the_table():
     table = ctxext.available_methods()
     assert set(table) == set(METHODS)
-    assert table["pi"] == ["rotary", "gpt2", "bloom", "mpt", "falcon-alibi"] and table["alibi"] == ["rotary", "gpt2"]
+    assert table["pi"] == ["rotary", "gpt2", "offset-table", "bloom", "mpt", "falcon-alibi"]
+    assert table["alibi"] == ["rotary", "gpt2", "offset-table"]
     assert table["yarn"] == ["rotary"]
 
 
@@ -33,7 +34,8 @@ def test_cli_prints_the_markdown_table():
         [sys.executable, "-m", "ctxext", "methods", "--markdown"], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == format_method_table(markdown=True)
-    assert out.splitlines()[0] == ("| method | LLaMA-family (rotary) | GPT-2 (learned absolute) | BLOOM (ALiBi) | "
+    assert out.splitlines()[0] == ("| method | LLaMA-family (rotary) | GPT-2 (learned absolute) | "
+                                   "OPT-style (learned absolute, embed_positions) | BLOOM (ALiBi) | "
                                    "MPT (ALiBi) | Falcon (ALiBi) |")
     assert "| `alibi` |" in out and "| `nope` |" in out and "error: already ALiBi" in out
 

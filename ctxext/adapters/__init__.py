@@ -9,10 +9,13 @@ from .alibi_bias import FalconAlibiAdapter, MptAdapter
 from .base import Adapter
 from .bloom import BloomAdapter
 from .gpt2 import GPT2Adapter
+from .offset_table import OffsetTableAdapter
 from .rotary import RotaryAdapter
 
 #: One adapter per positional family, in detection order (and column order of the method table).
-ADAPTERS: list[Adapter] = [RotaryAdapter(), GPT2Adapter(), BloomAdapter(), MptAdapter(), FalconAlibiAdapter()]
+ADAPTERS: list[Adapter] = [
+    RotaryAdapter(), GPT2Adapter(), OffsetTableAdapter(), BloomAdapter(), MptAdapter(), FalconAlibiAdapter(),
+]
 
 
 def find_adapter(model: nn.Module) -> Adapter:

@@ -78,6 +78,21 @@ class Adapter:
         checkpoint needs no patch. Returns whether anything was baked."""
         return False
 
+    def native_form(self, model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
+        """The transformers-native form of ``spec`` on ``model`` (``ctxext.native_form.NativeForm``), or raise
+        ``NoNativeForm`` saying why there is none (the default: none). Rotary models are verified in
+        ``ctxext.export``."""
+        from ..native_form import NoNativeForm, no_form_reason
+
+        raise NoNativeForm(no_form_reason(spec.method, self.title))
+
+    def restore_exported(self, model: nn.Module, tensors: dict[str, Any], spec: PatchSpec) -> None:
+        """A natively exported checkpoint whose weights the native form replaced, loaded as saved: put the original
+        tensors (saved beside the weights) back and the original length in the config."""
+        from ..errors import PatchError
+
+        raise PatchError(f"{self.title} has no natively exported weights to restore")
+
     def position_limit(self, model: nn.Module) -> int | None:
         """How many positions the model can take at all, or None if unbounded. The default finds a learned
         absolute table by its usual names (``wpe``, ``embed_positions``, ``position_embeddings``; OPT-style tables

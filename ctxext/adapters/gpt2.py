@@ -168,6 +168,12 @@ class GPT2Adapter(Adapter):
             delattr(model.config, CONFIG_KEY)
         return baked
 
+    def native_form(self, model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
+        return native_form(model, spec, check_only=check_only)
+
+    def restore_exported(self, model: nn.Module, tensors: dict[str, torch.Tensor], spec: PatchSpec) -> None:
+        restore_exported(model, tensors, spec)
+
 
 def _keep_n_ctx_in_step(config, spec: PatchSpec) -> Restore:
     """Older GPT-2 configs carry ``n_ctx`` = ``n_positions``; advertise the new length there too."""

@@ -1,0 +1,196 @@
+"""OPT-style adapter: learned absolute positions in an ``embed_positions`` table that computes its own position ids.
+
+OPT, BioGPT and the BART-family decoders (BART, mBART, PLBart, MVP, Blenderbot as ``...ForCausalLM``) keep their
+positions in an ``nn.Embedding`` subclass called ``embed_positions``. Its ``forward`` works out the position ids
+(from the attention mask or the cache length, in a signature that differs per model and per transformers release)
+and looks them up at ``position + offset`` (OPT-style tables carry ``offset`` = 2 leading rows that are not
+positions). ``config.max_position_embeddings`` = rows - offset is the advertised length.
+
+While patched, each table is replaced by an ``OffsetTable`` that shares the original ``weight`` parameter (the state
+dict is unchanged) and runs the *original module's own forward* with its weight swapped for the method's table
+(``torch.func.functional_call``), so the position-id logic of whatever release is installed is reused, never copied:
+
+- ``pi``: the position rows interpolated to ``round(factor * n)`` rows (``ctxext.methods.positions``);
+- ``extrapolate``: extended to that many rows by repeating the last row;
+- ``nope`` and ``alibi``: one zero row seen at every position (a stride-0 view, so any length runs and nothing
+  is allocated); ``alibi`` also switches the attention to ``ctxext_alibi``.
+
+The ``offset`` rows are kept in front of the ``pi`` / ``extrapolate`` tables. Positions past their end raise
+IndexError, as in the unpatched model past its length; ``position_limit`` reports the patched limit to the
+evaluator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..attention import require_attention, use_attention
+from ..methods import positions
+from ..methods.remap import REMAP_METHODS
+from ..spec import PatchSpec
+from .base import Adapter, Restore, run_all
+
+TABLE_METHODS = {"pi": positions.interpolate_table, "extrapolate": positions.extend_table}
+NAME = "embed_positions"
+#: rows a zero table claims to have (a stride-0 view of one row): longer than any input
+UNBOUNDED = 2**40
+
+
+class OffsetTable(nn.Module):
+    """Stands in for a patched ``embed_positions``: same ``weight`` parameter, the original forward run on the
+    method's table."""
+
+    def __init__(self, original: nn.Embedding, table: torch.Tensor, method: str):
+        super().__init__()
+        self.weight = original.weight  # the original parameter, so the state dict is unchanged
+        self.method = method
+        self.offset = int(getattr(original, "offset", 0))
+        self.embedding_dim = original.embedding_dim
+        self.register_buffer("table", table, persistent=False)
+        self.__dict__["original"] = original  # not a submodule: no second copy of the weight in the state dict
+
+    @property
+    def zeros(self) -> bool:
+        return self.method not in TABLE_METHODS
+
+    @property
+    def num_embeddings(self) -> int:
+        return UNBOUNDED if self.zeros else self.table.shape[0]
+
+    def forward(self, *args, **kwargs):
+        table = self.table.expand(UNBOUNDED, -1) if self.zeros else self.table
+        return torch.func.functional_call(self.original, {"weight": table}, args, kwargs)
+
+    def extra_repr(self) -> str:
+        if self.zeros:
+            return f"method={self.method}, zero at every position"
+        return f"method={self.method}, positions={self.table.shape[0] - self.offset}, offset={self.offset}"
+
+
+def _sinusoidal(weight: torch.Tensor, offset: int) -> bool:
+    """A fixed sinusoidal table (Marian, Pegasus) has sin(0) = 0 / cos(0) = 1 in its position-0 row; a learned
+    table never does. Such tables are not claimed (interpolating their rows is not PI of a sinusoid)."""
+    if weight.device.type == "meta" or weight.shape[0] <= offset:
+        return False
+    row = weight[offset].detach()
+    return bool(((row == 0) | (row == 1)).all())
+
+
+def tables(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
+    """(owner, table) for every ``embed_positions`` learned table sized by ``config.max_position_embeddings``."""
+    length = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    found = []
+    for owner in model.modules():
+        table = owner._modules.get(NAME)
+        if isinstance(table, OffsetTable):
+            found.append((owner, table))
+        elif (isinstance(table, nn.Embedding) and isinstance(length, int)
+              and table.num_embeddings - int(getattr(table, "offset", 0)) == length
+              and not _sinusoidal(table.weight, int(getattr(table, "offset", 0)))):
+            found.append((owner, table))
+    return found
+
+
+def _method_table(original: nn.Embedding, spec: PatchSpec) -> torch.Tensor:
+    offset = int(getattr(original, "offset", 0))
+    weight = original.weight.detach()
+    if spec.method not in TABLE_METHODS:  # nope / alibi: one zero row, seen at every position
+        return weight.new_zeros(1, weight.shape[1])
+    with torch.no_grad():
+        rows = TABLE_METHODS[spec.method](weight[offset:], spec.factor or 1)
+        return torch.cat([weight[:offset], rows]).clone()
+
+
+class OffsetTableAdapter(Adapter):
+    family = "offset-table"
+    title = "OPT-style (learned absolute, embed_positions)"
+    length_attr = "max_position_embeddings"
+    methods = {
+        "pi": "yes: embed_positions interpolated to f x rows",
+        "extrapolate": "yes: embed_positions extended (last row repeated)",
+        "alibi": "yes: embed_positions zeroed + ALiBi bias",
+        "nope": "yes: embed_positions zeroed",
+    }
+    unsupported = {m: "not rotary" for m in ("ntk", "dynamic-ntk", "yarn", "llama3", *REMAP_METHODS)}
+
+    def detect(self, model: nn.Module) -> bool:
+        return bool(tables(model))
+
+    def check(self, model: nn.Module, spec: PatchSpec) -> None:
+        if spec.method == "alibi":
+            require_attention(model)
+
+    def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
+        undo: list[Restore] = []
+        try:
+            for owner, original in tables(model):
+                setattr(owner, NAME, OffsetTable(original, _method_table(original, spec), spec.method))
+                undo.append(functools.partial(setattr, owner, NAME, original))
+            if spec.method == "alibi":
+                undo.append(use_attention(model))
+        except BaseException:
+            run_all(undo)
+            raise
+        return functools.partial(run_all, undo)
+
+    def position_limit(self, model: nn.Module) -> int | None:
+        limits = [t.num_embeddings - int(getattr(t, "offset", 0)) for _, t in tables(model)
+                  if not getattr(t, "zeros", False)]
+        return min(limits) if limits else None
+
+    # -- native export: a resized table is a plain checkpoint ------------------------------------------------------
+
+    def native_form(self, model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
+        """``pi`` / ``extrapolate``: ``embed_positions`` saved as the method's table (offset rows first) with
+        ``max_position_embeddings`` the patched length: what the model class builds from that config. The original
+        tables are kept beside the weights so ``ctxext.from_pretrained`` can re-apply the patch."""
+        from ..native_form import NativeForm, NoNativeForm
+
+        summary = f"embed_positions resized to {spec.patched_length} positions ({spec.method})"
+        if check_only and spec.method in TABLE_METHODS:
+            return NativeForm({}, summary=summary)
+        found = [(o, t) for o, t in tables(model) if isinstance(t, OffsetTable)]
+        if spec.method not in TABLE_METHODS or not found:
+            raise NoNativeForm(
+                f"method {spec.method!r} on {self.title} has no transformers-native form (the model always adds "
+                "its position table); only pi and extrapolate (a resized table) have one"
+            )
+        names = {module: name for name, module in model.named_modules()}
+        keys = {f"{names[o]}.{NAME}.weight".lstrip("."): t for o, t in found}
+
+        @contextlib.contextmanager
+        def weights():
+            for owner, patched in found:
+                plain = nn.Embedding(patched.table.shape[0], patched.embedding_dim, device="meta")
+                plain.weight = nn.Parameter(patched.table, requires_grad=False)
+                setattr(owner, NAME, plain)
+            try:
+                yield
+            finally:
+                for owner, patched in found:
+                    setattr(owner, NAME, patched)
+
+        return NativeForm({}, weights=weights, originals=lambda: {k: t.weight for k, t in keys.items()},
+                          summary=summary + f", max_position_embeddings {spec.patched_length}")
+
+    def restore_exported(self, model: nn.Module, tensors: dict[str, torch.Tensor], spec: PatchSpec) -> None:
+        """A natively exported model loaded as saved (tables = the patched ones): the original tables back from
+        ``tensors`` and the original length in the config."""
+        from ..errors import PatchError
+
+        names = {module: name for name, module in model.named_modules()}
+        found = tables(model)
+        keys = {f"{names[o]}.{NAME}.weight".lstrip("."): (o, t) for o, t in found}
+        if not found or set(keys) != set(tensors):
+            raise PatchError("a natively exported checkpoint whose position tables or saved originals do not "
+                             "match; load it with AutoModelForCausalLM.from_pretrained")
+        for key, (owner, table) in keys.items():
+            original = tensors[key].to(dtype=table.weight.dtype, device=table.weight.device)
+            table.weight = nn.Parameter(original, requires_grad=table.weight.requires_grad)
+            table.num_embeddings = original.shape[0]
+        model.config.max_position_embeddings = spec.original_length
