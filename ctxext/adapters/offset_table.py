@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any
 
 import torch
 from torch import nn
