@@ -343,6 +343,40 @@ def test_gpt2_pi_trains_and_saves_the_interpolated_table(bases, tmp_path):
         torch.testing.assert_close(reloaded(x).logits, merged(x).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_opt_pi_trains_and_bakes_the_interpolated_table(bases, tmp_path):
+    """The OPT-style table (offset rows first) trains under pi like GPT-2's, and the merged model bakes it."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, OPTConfig, OPTForCausalLM
+
+    from ctxext.loading import prepare_for_adapter
+
+    tok = AutoTokenizer.from_pretrained(bases["gpt2"])
+    folder = tmp_path / "opt-base"
+    torch.manual_seed(0)
+    cfg = OPTConfig(vocab_size=len(tok), max_position_embeddings=64, hidden_size=48, ffn_dim=96, num_hidden_layers=2,
+                    num_attention_heads=4, word_embed_proj_dim=48, dropout=0.0, attention_dropout=0.0,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    OPTForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    out = tmp_path / "opt"
+    r = make(bases, out, model={"name": str(folder)}, patch={"method": "pi", "factor": 2},
+             lora={"target_modules": ["q_proj", "v_proj"], "trainable": ["embed_positions"]},
+             output={"merged": True}, train={"lr": 1e-2, "gradient_checkpointing": False})
+    assert run(r, progress=False)["finished"]
+    saved = load_file(str(out / "adapter_model.safetensors"))
+    tables = [k for k in saved if "embed_positions" in k and k.endswith("table")]
+    assert tables and saved[tables[0]].shape[0] == 2 + 128  # offset rows + the interpolated 2 x 64 rows
+    base = ctxext.from_pretrained(str(folder))
+    ctxext.patch(base, "pi", 2)
+    model = PeftModel.from_pretrained(prepare_for_adapter(base, out), str(out)).eval()
+    merged = ctxext.from_pretrained(str(out / "merged")).eval()
+    assert merged.config.max_position_embeddings == 128 and ctxext.describe(merged) is None
+    x = (torch.arange(120) * 7 % 100 + 2).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x).logits, merged(x).logits, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("method", ["alibi", "nope"])
 def test_swap_recipes_run(bases, tmp_path, method):
     out = tmp_path / method

@@ -32,6 +32,7 @@ from ..methods import positions
 from ..methods.remap import REMAP_METHODS
 from ..spec import PatchSpec
 from .base import Adapter, Restore, run_all
+from .trainable_table import freeze_unused_weights, make_tables_trainable
 
 TABLE_METHODS = {"pi": positions.interpolate_table, "extrapolate": positions.extend_table}
 
@@ -121,30 +122,10 @@ class GPT2Adapter(Adapter):
         return {"fan_in_fan_out": True}  # GPT-2's Conv1D layers store their weights transposed
 
     def make_trainable(self, model: nn.Module, names: list[str]) -> list[str]:
-        """The patch keeps the ``pi`` / ``extrapolate`` table as a non-persistent buffer, which peft's
-        ``modules_to_save`` would neither train nor save; it becomes a (frozen) parameter here, so the trainable
-        copy peft makes of the module trains it and the adapter saves it. Loading such an adapter needs the same
-        step before peft loads the weights (``ctxext.loading.prepare_for_adapter``)."""
-        done = []
-        for name, module in model.named_modules():
-            if not name or not isinstance(module, PositionTable):
-                continue
-            if not any(name == t or name.endswith("." + t) for t in names):
-                continue
-            table = module._buffers.get("table")
-            if isinstance(table, torch.Tensor) and table.is_floating_point():
-                del module._buffers["table"]
-                module.table = nn.Parameter(table.detach().clone(), requires_grad=False)
-                done.append(name)
-        return done
+        return make_tables_trainable(model, names, PositionTable)
 
     def after_lora(self, model: nn.Module) -> None:
-        """In a trainable table the original ``weight`` is unused by the forward pass: freeze it (an unused
-        trainable parameter breaks DistributedDataParallel)."""
-        for module in model.modules():
-            if isinstance(module, PositionTable) and isinstance(module.table, nn.Parameter):
-                if module.table.requires_grad:
-                    module.weight.requires_grad_(False)
+        freeze_unused_weights(model, PositionTable)
 
     def bake_trained(self, model: nn.Module) -> bool:
         """Trained tables become plain embeddings of their size, that length is advertised and the patch record

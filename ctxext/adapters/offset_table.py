@@ -33,6 +33,7 @@ from ..methods import positions
 from ..methods.remap import REMAP_METHODS
 from ..spec import PatchSpec
 from .base import Adapter, Restore, run_all
+from .trainable_table import freeze_unused_weights, make_tables_trainable
 
 TABLE_METHODS = {"pi": positions.interpolate_table, "extrapolate": positions.extend_table}
 NAME = "embed_positions"
@@ -141,6 +142,32 @@ class OffsetTableAdapter(Adapter):
         limits = [t.num_embeddings - int(getattr(t, "offset", 0)) for _, t in tables(model)
                   if not getattr(t, "zeros", False)]
         return min(limits) if limits else None
+
+    # -- fine-tuning: the patched table trains, saves, loads and bakes ------------------------------------------
+
+    def make_trainable(self, model: nn.Module, names: list[str]) -> list[str]:
+        return make_tables_trainable(model, names, OffsetTable)
+
+    def after_lora(self, model: nn.Module) -> None:
+        freeze_unused_weights(model, OffsetTable)
+
+    def bake_trained(self, model: nn.Module) -> bool:
+        """Trained tables become the model's own (the original module, its weight = the trained table), the
+        patched length is advertised and the patch record dropped: an ordinary checkpoint with a longer table."""
+        from ..spec import CONFIG_KEY
+
+        baked = False
+        for owner, table in tables(model):
+            if isinstance(table, OffsetTable) and isinstance(table.table, nn.Parameter):
+                module = table.original
+                module.weight = nn.Parameter(table.table.detach().clone(), requires_grad=False)
+                module.num_embeddings = module.weight.shape[0]
+                setattr(owner, NAME, module)
+                model.config.max_position_embeddings = module.num_embeddings - table.offset
+                baked = True
+        if baked and hasattr(model.config, CONFIG_KEY):
+            delattr(model.config, CONFIG_KEY)
+        return baked
 
     # -- native export: a resized table is a plain checkpoint ------------------------------------------------------
 
