@@ -16,7 +16,8 @@ dynamic-ntk       rope type ``dynamic`` with the factor, and ``max_position_embe
                   forward pass (transformers re-scales during cached decoding, ctxext fixes the scale per
                   sequence)
 ntk (rotary)      plain RoPE with ``rope_theta`` = base * factor^(d / (d - 2))
-extrapolate       the new ``max_position_embeddings`` only (rotary, BLOOM)
+extrapolate       the new ``max_position_embeddings`` only (rotary, BLOOM; GPT-J / CodeGen: ``n_positions``, from
+                  which transformers builds the longer sin-cos table, verified against it)
 pi, extrapolate   ``wpe`` saved as the method's table (``n_positions`` rows), ``n_positions`` the patched length
 (GPT-2)           (the original table goes to ``ctxext_original_positions.safetensors`` beside the weights)
 ================  =========================================================================================
@@ -82,6 +83,10 @@ def native_form(model: nn.Module, spec: PatchSpec | None = None, *, check_only: 
         from .adapters.gpt2 import native_form as gpt2_form
 
         return gpt2_form(model, spec, check_only=check_only)
+    if adapter.family == "sincos":
+        from .adapters.sincos_table import native_form as sincos_form
+
+        return sincos_form(model, spec, check_only=check_only)
     if adapter.family == "bloom" and spec.method == "extrapolate":
         return NativeForm({}, summary="ALiBi unchanged, max_position_embeddings advertised")
     raise NoNativeForm(_no_form_reason(spec, adapter.title))

@@ -10,9 +10,12 @@ from .base import Adapter
 from .bloom import BloomAdapter
 from .gpt2 import GPT2Adapter
 from .rotary import RotaryAdapter
+from .sincos_table import SinCosTableAdapter
 
 #: One adapter per positional family, in detection order (and column order of the method table).
-ADAPTERS: list[Adapter] = [RotaryAdapter(), GPT2Adapter(), BloomAdapter(), MptAdapter(), FalconAlibiAdapter()]
+ADAPTERS: list[Adapter] = [
+    RotaryAdapter(), SinCosTableAdapter(), GPT2Adapter(), BloomAdapter(), MptAdapter(), FalconAlibiAdapter()
+]
 
 
 def find_adapter(model: nn.Module) -> Adapter:
