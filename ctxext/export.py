@@ -16,7 +16,8 @@ dynamic-ntk       rope type ``dynamic`` with the factor, and ``max_position_embe
                   forward pass (transformers re-scales during cached decoding, ctxext fixes the scale per
                   sequence)
 ntk (rotary)      plain RoPE with ``rope_theta`` = base * factor^(d / (d - 2))
-extrapolate       the new ``max_position_embeddings`` only (rotary, BLOOM)
+extrapolate       the new ``max_position_embeddings`` only (rotary, BLOOM; GPT-J / CodeGen: ``n_positions``, from
+                  which transformers builds the longer sin-cos table, verified against it)
 pi, extrapolate   ``wpe`` saved as the method's table (``n_positions`` rows), ``n_positions`` the patched length
 (GPT-2)           (the original table goes to ``ctxext_original_positions.safetensors`` beside the weights)
 ================  =========================================================================================
@@ -80,7 +81,7 @@ def native_form(model: nn.Module, spec: PatchSpec | None = None, *, check_only: 
         return _rotary_form(model, spec)
     if adapter.family == "bloom" and spec.method == "extrapolate":
         return NativeForm({}, summary="ALiBi unchanged, max_position_embeddings advertised")
-    return adapter.native_form(model, spec, check_only=check_only)  # learned tables: a resized table
+    return adapter.native_form(model, spec, check_only=check_only)  # each family's own (tables)
 
 
 def _no_form_reason(spec: PatchSpec, title: str) -> str:

@@ -33,7 +33,8 @@ REQUIRED = {
     "bloom": "alibi-bias",
     "mpt": "alibi-bias",
     "gpt2": "learned",
-    "gptj": "refused",
+    "gptj": "sincos",
+    "codegen": "sincos",
     "xglm": "refused",  # a fixed sinusoidal table, not a learned one
     "opt": "learned",
     "biogpt": "learned",
@@ -48,6 +49,7 @@ MUST_PATCH = {
     "rotary": ["pi", "ntk", "dynamic-ntk", "yarn", "llama3", "nope", "extrapolate"],
     "alibi-bias": ["pi", "nope", "extrapolate"],
     "learned": ["pi", "alibi", "nope", "extrapolate"],
+    "sincos": ["pi", "ntk", "yarn", "llama3", "nope", "extrapolate"],
     "refused": [],
     "scaled": ["pi", "ntk", "dynamic-ntk", "yarn", "llama3", "extrapolate"],
     # longrope switches its own frequencies by length: no dynamic-ntk; 4.x / 5.0-5.12 recompute the long set
@@ -74,6 +76,8 @@ def test_required_models_are_built_and_have_no_failure_row(required_rows):
             assert cells[method].status == "ok", (model, method, cells[method].reason)
         if kind == "refused":  # no positional surface ctxext knows: one clear reason for every method
             assert all(r.status == "refused" and "no positional surface" in r.reason for r in cells.values())
+        if kind == "sincos":  # a sin-cos table per layer: no per-sequence scale, attention not swappable
+            assert all(cells[m].status == "refused" for m in ("dynamic-ntk", "alibi", "self-extend", "string"))
         if kind in ("scaled", "longrope"):  # replacing the rotation is not defined on a shipped scaled RoPE
             for method in ("alibi", "nope", "self-extend", "dca"):
                 assert cells[method].status == "refused" and "already uses" in cells[method].reason

@@ -11,7 +11,7 @@ from ctxext.registry import METHODS, format_method_table, method_table
 
 def test_every_cell_says_what_happens_or_why_not():
     for row in method_table():
-        for family in ("rotary", "gpt2", "bloom"):
+        for family in ("rotary", "sincos", "gpt2", "bloom"):
             assert row[family].startswith(("yes", "error: ")), row
     cells = {row["method"]: row for row in method_table()}
     assert cells["ntk"]["gpt2"] == "error: not rotary" and cells["yarn"]["bloom"] == "error: not rotary"
@@ -24,9 +24,9 @@ def test_every_cell_says_what_happens_or_why_not():
 def test_available_methods_matches_the_table():
     table = ctxext.available_methods()
     assert set(table) == set(METHODS)
-    assert table["pi"] == ["rotary", "gpt2", "offset-table", "bloom", "mpt", "falcon-alibi"]
+    assert table["pi"] == ["rotary", "sincos", "gpt2", "offset-table", "bloom", "mpt", "falcon-alibi"]
     assert table["alibi"] == ["rotary", "gpt2", "offset-table"]
-    assert table["yarn"] == ["rotary"]
+    assert table["yarn"] == ["rotary", "sincos"] and table["dynamic-ntk"] == ["rotary"]
 
 
 def test_cli_prints_the_markdown_table():
@@ -34,9 +34,9 @@ def test_cli_prints_the_markdown_table():
         [sys.executable, "-m", "ctxext", "methods", "--markdown"], capture_output=True, text=True, check=True
     ).stdout
     assert out.strip() == format_method_table(markdown=True)
-    assert out.splitlines()[0] == ("| method | LLaMA-family (rotary) | GPT-2 (learned absolute) | "
-                                   "OPT-style (learned absolute, embed_positions) | BLOOM (ALiBi) | "
-                                   "MPT (ALiBi) | Falcon (ALiBi) |")
+    assert out.splitlines()[0] == ("| method | LLaMA-family (rotary) | GPT-J / CodeGen (rotary sin-cos table) | "
+                                   "GPT-2 (learned absolute) | OPT-style (learned absolute, embed_positions) | "
+                                   "BLOOM (ALiBi) | MPT (ALiBi) | Falcon (ALiBi) |")
     assert "| `alibi` |" in out and "| `nope` |" in out and "error: already ALiBi" in out
 
 

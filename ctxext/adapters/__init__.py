@@ -11,10 +11,12 @@ from .bloom import BloomAdapter
 from .gpt2 import GPT2Adapter
 from .offset_table import OffsetTableAdapter
 from .rotary import RotaryAdapter
+from .sincos_table import SinCosTableAdapter
 
 #: One adapter per positional family, in detection order (and column order of the method table).
 ADAPTERS: list[Adapter] = [
-    RotaryAdapter(), GPT2Adapter(), OffsetTableAdapter(), BloomAdapter(), MptAdapter(), FalconAlibiAdapter(),
+    RotaryAdapter(), SinCosTableAdapter(), GPT2Adapter(), OffsetTableAdapter(), BloomAdapter(), MptAdapter(),
+    FalconAlibiAdapter(),
 ]
 
 
