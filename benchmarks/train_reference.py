@@ -29,10 +29,14 @@ replaces the shipped checkpoints.
 
 ``--repeat-fraction`` / ``--passkey-fraction`` (off by default) mix long-range structure into the training windows:
 an earlier span repeated later, a pass key sentence and its question (issue 13; see ``make_structure``).
+``--copy-fraction`` (off by default) replaces that fraction of each batch's rows with the copy sequences of
+``ctxext lab`` (``[SEP, x, SEP, x]`` of random tokens, loss only on the second copy; see ``make_copy_rows``), and
+``--seq-len`` changes the training length (default 256; the LLaMA's ``max_position_embeddings`` follows it).
 
 ``--eval-only`` skips training and measures the checkpoints in ``--out`` at 1x, 2x, 4x and 8x the
 training length (LLaMA also with ``--eval-methods``, default pi / ntk / yarn), the numbers in
-``benchmarks/reference_training.md``; ``--recall`` adds a copy probe (a held-out passage repeated at the window's end).
+``benchmarks/reference_training.md``; ``--recall`` adds a copy probe (a held-out passage repeated at the window's end),
+``--copy-probe`` one in the format of the copy rows (random-token ``[SEP, x, SEP, x]`` filling each length).
 """
 
 from __future__ import annotations
@@ -104,7 +108,7 @@ def wrap_tokenizer(tok):
 # -------------------------------------------------------------------------------------------- models
 
 
-def build_model(name: str, tokenizer):
+def build_model(name: str, tokenizer, length: int = TRAIN_LENGTH):
     import torch
     from transformers import (
         BloomConfig,
@@ -124,7 +128,7 @@ def build_model(name: str, tokenizer):
             num_hidden_layers=LAYERS,
             num_attention_heads=HEADS,
             num_key_value_heads=HEADS // 2,
-            max_position_embeddings=TRAIN_LENGTH,
+            max_position_embeddings=length,
             rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
             rms_norm_eps=1e-5,
             attn_implementation="sdpa",
@@ -136,7 +140,7 @@ def build_model(name: str, tokenizer):
             n_embd=HIDDEN,
             n_layer=LAYERS,
             n_head=HEADS,
-            n_positions=TRAIN_LENGTH,
+            n_positions=length,
             resid_pdrop=0.0,
             embd_pdrop=0.0,
             attn_pdrop=0.0,
@@ -212,6 +216,28 @@ def recall(model, ids, length: int, windows: int = 8, span: int = 64, source: in
     return {"accuracy": round(hits / count, 4), "ppl": round(math.exp(nll / count), 3)}
 
 
+def copy_probe(model, length: int, count: int = 32, seed: int = 1234) -> float:
+    """Copy probe in the format of the lab's copy rows (``ctxext.lab.data.copy_batch``): ``count`` sequences
+    ``[SEP, x, SEP, x]`` of total ``length`` with x random tokens from ``COPY_RANGE`` (the generator seeded with
+    ``seed``); top-1 accuracy on the second copy, whose tokens sit ``(length - 2) // 2 + 1`` after their originals.
+    Chance is 1/512; a model that does not read that far back scores near 0."""
+    import torch
+
+    from ctxext.lab.data import IGNORE, copy_batch
+
+    gen = torch.Generator().manual_seed(seed)
+    hits = total = 0
+    per = max(1, 4096 // length)
+    with torch.inference_mode():
+        for i in range(0, count, per):
+            x, tgt = copy_batch(min(per, count - i), length, gen)
+            pred = model(input_ids=x).logits.argmax(-1)
+            m = tgt != IGNORE
+            hits += int((pred[m] == tgt[m]).sum())
+            total += int(m.sum())
+    return round(hits / total, 4)
+
+
 def storage_roundtrip(model, dtype):
     """A float32 copy of ``model`` whose weights went through ``dtype`` (what loading a 16-bit checkpoint
     in float32 gives)."""
@@ -236,18 +262,21 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def probe(model, name, held_ids) -> dict[str, float]:
-    """Held-out perplexity on the first 4096 tokens at 1x and (where positions allow) 4x the training length."""
+def probe(model, name, held_ids, length: int = TRAIN_LENGTH, copy_seed: int | None = None) -> dict[str, float]:
+    """Held-out perplexity on the first 4096 tokens at 1x and (where positions allow) 4x the training length;
+    with ``copy_seed`` also the lab-format copy accuracy at 1x (16 fixed copy sequences)."""
     was_training = model.training
     model.eval()
-    out = {"ppl_256": round(perplexity(model, held_ids, TRAIN_LENGTH, 4096), 2)}
-    if name != "gpt2":  # GPT-2's wpe has 256 rows
-        out["ppl_1024"] = round(perplexity(model, held_ids, 4 * TRAIN_LENGTH, 4096), 2)
+    out = {f"ppl_{length}": round(perplexity(model, held_ids, length, 4096), 2)}
+    if name != "gpt2":  # GPT-2's wpe has one row per trained position
+        out[f"ppl_{4 * length}"] = round(perplexity(model, held_ids, 4 * length, 4096), 2)
+    if copy_seed is not None:
+        out["copy_acc"] = copy_probe(model, length, count=16, seed=copy_seed)
     model.train(was_training)
     return out
 
 
-def make_structure(tokenizer, args):
+def make_structure(tokenizer, args, length: int = TRAIN_LENGTH):
     """A function that rewrites a batch of training windows in place to contain long-range structure, or None.
 
     * ``--repeat-fraction p``: in each window with probability p, a span of ``--repeat-min``..``--repeat-max``
@@ -264,7 +293,6 @@ def make_structure(tokenizer, args):
     if args.repeat_fraction <= 0 and args.passkey_fraction <= 0:
         return None
     aux = torch.Generator().manual_seed(args.seed + 2)
-    length = TRAIN_LENGTH
 
     def encode(text):
         return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
@@ -293,11 +321,55 @@ def make_structure(tokenizer, args):
     return apply
 
 
+def make_copy_rows(args, length: int):
+    """A function turning a batch of training windows into (ids, labels) with the last round(batch * p) rows
+    replaced by copy sequences of the lab (``ctxext.lab.data.copy_batch``: ``[SEP, x, SEP, x]`` of total
+    ``--copy-len`` tokens, x random tokens from ids 1000-1511, SEP the end-of-text token, id 0; padded with SEP
+    to the window length), labelled -100 except on the second copy; text rows keep the plain LM labels. Returns
+    None when ``--copy-fraction`` is 0. Copies are drawn from their own generator (seed + 3); the text windows
+    are drawn as without copy rows (the first rows of each batch are the default run's windows)."""
+    import torch
+
+    if args.copy_fraction <= 0:
+        return None
+    from ctxext.lab.data import IGNORE, SEP, copy_batch
+
+    n_copy = int(round(args.batch * args.copy_fraction))
+    copy_len = args.copy_len or length
+    if not 4 <= copy_len <= length:
+        raise SystemExit(f"--copy-len must be between 4 and the training length {length}, got {copy_len}")
+    if n_copy < 1:
+        raise SystemExit(f"--copy-fraction {args.copy_fraction} gives no copy row in a batch of {args.batch}")
+    if args.copy_min_len and not 4 <= args.copy_min_len <= copy_len:
+        raise SystemExit(f"--copy-min-len must be between 4 and --copy-len {copy_len}, got {args.copy_min_len}")
+    aux = torch.Generator().manual_seed(args.seed + 3)
+
+    def apply(x):
+        x = x.clone()
+        labels = x.clone()
+        first = x.size(0) - n_copy
+        x[first:] = SEP
+        labels[first:] = IGNORE
+        if args.copy_min_len:  # one length per row, uniform in [--copy-min-len, --copy-len]
+            sizes = torch.randint(args.copy_min_len, copy_len + 1, (n_copy,), generator=aux).tolist()
+            parts = [copy_batch(1, n, aux) for n in sizes]
+        else:
+            sizes, parts = [copy_len] * n_copy, [copy_batch(n_copy, copy_len, aux)]
+            parts = [(c[i : i + 1], t[i : i + 1]) for c, t in parts for i in range(n_copy)]
+        for i, (n, (c, tgt)) in enumerate(zip(sizes, parts)):
+            x[first + i, :n] = c[0]
+            labels[first + i, 1:n] = tgt[0, : n - 1]  # tgt[p] is the token after p; HF labels are unshifted
+        return x, labels
+
+    return apply
+
+
 def train_one(name, tokenizer, train_ids, held_ids, args):
     import torch
 
     torch.manual_seed(args.seed)
-    model = build_model(name, tokenizer)
+    span = args.seq_len
+    model = build_model(name, tokenizer, span)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
@@ -308,10 +380,11 @@ def train_one(name, tokenizer, train_ids, held_ids, args):
     )
     # Same window order for every family: a generator seeded independently of the init.
     gen = torch.Generator().manual_seed(args.seed + 1)
-    span = TRAIN_LENGTH
-    # Long-range structure mixed into the windows (off by default: then no extra random numbers are drawn,
-    # and the default run is byte-identical to the one without these options).
-    structure = make_structure(tokenizer, args)
+    # Long-range structure mixed into the windows, copy rows in the batch (off by default: then no extra random
+    # numbers are drawn, and the default run is byte-identical to the one without these options).
+    structure = make_structure(tokenizer, args, span)
+    copy_rows = make_copy_rows(args, span)
+    copy_running = None
     starts_max = len(train_ids) - span
     log_every = args.log_every or max(1, args.steps // 10)
     t0, c0 = time.perf_counter(), time.process_time()
@@ -325,7 +398,19 @@ def train_one(name, tokenizer, train_ids, held_ids, args):
         x = torch.stack([train_ids[s : s + span] for s in starts.tolist()])
         if structure is not None:
             x = structure(x)
-        loss = model(input_ids=x, labels=x).loss
+        if copy_rows is None:
+            loss = model(input_ids=x, labels=x).loss
+        else:
+            x, labels = copy_rows(x)
+            logits = model(input_ids=x).logits.float()
+            per_token = torch.nn.functional.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.size(-1)), labels[:, 1:].reshape(-1), ignore_index=-100, reduction="none"
+            ).view(x.size(0), -1)
+            mask = labels[:, 1:] != -100
+            loss = per_token.sum() / mask.sum()
+            n_copy = int(round(args.batch * args.copy_fraction))
+            copy_loss = (per_token[-n_copy:].sum() / mask[-n_copy:].sum()).item()
+            copy_running = copy_loss if copy_running is None else 0.95 * copy_running + 0.05 * copy_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -335,12 +420,15 @@ def train_one(name, tokenizer, train_ids, held_ids, args):
             elapsed = time.perf_counter() - t0 - probe_seconds
             cpu = time.process_time() - c0
             point = {"step": step + 1, "train_loss": round(running, 4), "seconds": round(elapsed, 1), "cpu_seconds": round(cpu, 1)}
+            if copy_running is not None:
+                point["copy_loss"] = round(copy_running, 4)
             if args.probe:
                 tp = time.perf_counter()
-                point.update(probe(model, name, held_ids))
+                point.update(probe(model, name, held_ids, span, 4321 if copy_rows is not None else None))
                 probe_seconds += time.perf_counter() - tp
             curve.append(point)
             extra = "".join(f"  {k} {v:.1f}" for k, v in point.items() if k.startswith("ppl"))
+            extra += "".join(f"  {k} {point[k]:.3f}" for k in ("copy_loss", "copy_acc") if k in point)
             print(
                 f"  [{name}] step {step + 1}/{args.steps}  loss {running:.3f}{extra}  "
                 f"{elapsed:.0f}s wall  ({(step + 1) * args.batch * span / elapsed:.0f} tok/s)",
@@ -354,9 +442,9 @@ def train_one(name, tokenizer, train_ids, held_ids, args):
 def choose_dtype(model, held_ids, args) -> tuple[str, dict[str, float]]:
     import torch
 
-    ppl = {"float32": perplexity(model, held_ids, TRAIN_LENGTH, args.eval_tokens)}
+    ppl = {"float32": perplexity(model, held_ids, args.seq_len, args.eval_tokens)}
     for label, dtype in (("float16", torch.float16), ("bfloat16", torch.bfloat16)):
-        ppl[label] = perplexity(storage_roundtrip(model, dtype), held_ids, TRAIN_LENGTH, args.eval_tokens)
+        ppl[label] = perplexity(storage_roundtrip(model, dtype), held_ids, args.seq_len, args.eval_tokens)
     # float16 keeps 3 more mantissa bits than bfloat16 (and these small weights are far from its range
     # limits); take bfloat16 only if float16 costs more than the tolerance and bfloat16 does not.
     if args.dtype != "auto":
@@ -391,7 +479,7 @@ def check_saved(folder: Path, sample: str, ref_ppl: float, held_ids, args) -> fl
     if len(tok) != VOCAB or tok.decode(ids) != sample:
         raise SystemExit(f"tokenizer in {folder} does not round-trip (vocab {len(tok)})")
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    ppl = perplexity(model, held_ids, TRAIN_LENGTH, args.eval_tokens)
+    ppl = perplexity(model, held_ids, args.seq_len, args.eval_tokens)
     if abs(ppl / ref_ppl - 1) > 1e-4:
         raise SystemExit(f"reloaded {folder.name} gives perplexity {ppl:.3f}, expected {ref_ppl:.3f}")
     return ppl
@@ -423,7 +511,7 @@ def train_and_save(name, args, tok_str, train_ids, held_ids, sample) -> tuple[st
     torch.set_num_threads(args.threads)
     tokenizer = wrap_tokenizer(Tokenizer.from_str(tok_str))
     t_model = time.perf_counter()
-    print(f"{name}: training {args.steps} steps of {args.batch}x{TRAIN_LENGTH} tokens on {args.threads} thread(s)", flush=True)
+    print(f"{name}: training {args.steps} steps of {args.batch}x{args.seq_len} tokens on {args.threads} thread(s)", flush=True)
     model, seconds, curve = train_one(name, tokenizer, train_ids, held_ids, args)
     dtype, ppl = choose_dtype(model, held_ids, args)
     folder = args.out / name
@@ -431,7 +519,7 @@ def train_and_save(name, args, tok_str, train_ids, held_ids, sample) -> tuple[st
     reloaded = check_saved(folder, sample, ppl[dtype], held_ids, args)
     print(
         f"{name}: {n_params(model) / 1e6:.2f}M parameters, {seconds['wall']:.0f}s wall ({seconds['cpu']:.0f}s cpu); "
-        "held-out ppl@256 "
+        f"held-out ppl@{args.seq_len} "
         + ", ".join(f"{k} {v:.2f}" for k, v in ppl.items())
         + f"; saved {dtype}, {size / 1e6:.1f} MB",
         flush=True,
@@ -446,9 +534,9 @@ def train_and_save(name, args, tok_str, train_ids, held_ids, sample) -> tuple[st
         "train_cpu_seconds": seconds["cpu"],
         "wall_seconds": round(time.perf_counter() - t_model, 1),
         "loss_curve": curve,
-        "held_out_ppl_256": {k: round(v, 3) for k, v in ppl.items()},
+        f"held_out_ppl_{args.seq_len}": {k: round(v, 3) for k, v in ppl.items()},
         "saved_dtype": dtype,
-        "saved_ppl_256": round(reloaded, 3),
+        f"saved_ppl_{args.seq_len}": round(reloaded, 3),
         "folder_bytes": size,
     }
 
@@ -490,24 +578,25 @@ def train(args) -> int:
         },
         "tokenizer": {"kind": "byte-level BPE (tokenizers)", "vocab_size": len(tokenizer), "special": [EOS]},
         "training": {
-            "length": TRAIN_LENGTH,
+            "length": args.seq_len,
             "steps": args.steps,
             "batch": args.batch,
-            "tokens_seen": args.steps * args.batch * TRAIN_LENGTH,
+            "tokens_seen": args.steps * args.batch * args.seq_len,
             "optimizer": "AdamW(betas=(0.9, 0.95))",
             "lr": args.lr,
             "warmup": args.warmup,
             "schedule": "linear warmup, cosine decay to 0.1x",
             "weight_decay": args.weight_decay,
             "grad_clip": 1.0,
-            "windows": "uniformly random 256-token windows of the concatenated books (same order for every model)",
+            "windows": f"uniformly random {args.seq_len}-token windows of the concatenated books (same order for every model)",
         },
         "eval": {
             "text": HELD_OUT,
             "tokens": min(len(held_ids), args.eval_tokens),
-            "length": TRAIN_LENGTH,
+            "length": args.seq_len,
             "windows": "non-overlapping",
-            "probes": "ppl_256 / ppl_1024 in loss_curve: first 4096 held-out tokens",
+            "probes": f"ppl_{args.seq_len} / ppl_{4 * args.seq_len} in loss_curve: first 4096 held-out tokens"
+            + ("; copy_acc: copy probe (lab format) at the training length, 16 sequences" if args.copy_fraction > 0 else ""),
         },
     }
     if args.repeat_fraction > 0 or args.passkey_fraction > 0:  # recorded only when used: default records unchanged
@@ -516,6 +605,16 @@ def train(args) -> int:
             "repeat_span": [args.repeat_min, args.repeat_max],
             "passkey_fraction": args.passkey_fraction,
             "generator_seed": args.seed + 2,
+        }
+    if args.copy_fraction > 0:  # recorded only when used
+        shared["training"]["copy_rows"] = {
+            "copy_fraction": args.copy_fraction,
+            "rows_per_batch": int(round(args.batch * args.copy_fraction)),
+            "copy_len": args.copy_len or args.seq_len,
+            **({"copy_min_len": args.copy_min_len} if args.copy_min_len else {}),
+            "format": "ctxext.lab.data.copy_batch: [SEP, x, SEP, x], x uniform in ids 1000-1511, SEP = id 0; "
+            "loss only on the second copy",
+            "generator_seed": args.seed + 3,
         }
     report = {"date": None, "machine": machine(), **shared, "models": {}}
     # A run over a subset of the models keeps the others' records when they were trained the same way
@@ -576,7 +675,11 @@ def evaluate(args) -> int:
 
     torch.set_num_threads(args.threads)
     text = lzma.open(args.out / "emma.txt.xz", "rt", encoding="utf-8").read()
-    lengths = [TRAIN_LENGTH * f for f in (1, 2, 4, 8)]
+    base = args.seq_len
+    if base is None:  # the length the checkpoints were trained at
+        record = args.out / "training.json"
+        base = json.loads(record.read_text())["training"]["length"] if record.exists() else TRAIN_LENGTH
+    lengths = [base * f for f in (1, 2, 4, 8)]
     rows = []
     for name in args.models:
         folder = args.out / name
@@ -589,14 +692,16 @@ def evaluate(args) -> int:
         for method, factor in variants:
             row = {"model": name, "method": method, "factor": factor}
             for length in lengths:
-                if name == "gpt2" and length > TRAIN_LENGTH:
+                if name == "gpt2" and length > base:
                     row[str(length)] = None  # wpe has 256 rows: needs the GPT-2 adapter
                     continue
                 with ctxext.patched(model, method, factor) if method != "none" else contextlib.nullcontext():
                     if not args.recall_only:
                         row[str(length)] = round(perplexity(model, ids, length, args.eval_tokens), 3)
-                    if args.recall:
+                    if args.recall and length >= 16 + 2 * 64:  # the passage and its copy must not overlap
                         row.setdefault("recall", {})[str(length)] = recall(model, ids, length)
+                    if args.copy_probe:
+                        row.setdefault("copy", {})[str(length)] = copy_probe(model, length, args.copy_probe_seqs)
             rows.append(row)
             label = method if factor is None else f"{method} x{factor}"
             if not args.recall_only:
@@ -607,6 +712,9 @@ def evaluate(args) -> int:
                     f"{row['recall'][str(n)]['accuracy']:>8.3f}" if str(n) in row.get("recall", {}) else f"{'n/a':>8}" for n in lengths
                 )
                 print(f"{name:6} {label:14} recall  {cells}", flush=True)
+            if args.copy_probe:
+                cells = "  ".join(f"{row['copy'][str(n)]:>8.3f}" if str(n) in row.get("copy", {}) else f"{'n/a':>8}" for n in lengths)
+                print(f"{name:6} {label:14} copy    {cells}", flush=True)
     result = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
@@ -617,6 +725,14 @@ def evaluate(args) -> int:
         "window's last 64; top-1 accuracy and perplexity on the copy (63 targets per window)"
         if args.recall
         else None,
+        **(
+            {
+                "copy": f"lab-format copy probe: {args.copy_probe_seqs} sequences [SEP, x, SEP, x] of each length "
+                "(ctxext.lab.data.copy_batch, generator seed 1234); top-1 accuracy on the second copy"
+            }
+            if args.copy_probe
+            else {}
+        ),
         "rows": rows,
     }
     if args.json:
@@ -659,6 +775,23 @@ def main(argv=None) -> int:
         default=0.0,
         help="fraction of training windows given a 5-digit pass key sentence and, later, its question; default 0",
     )
+    p.add_argument(
+        "--copy-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of each batch's rows replaced by lab-format copy sequences [SEP, x, SEP, x] (loss only on "
+        "the second copy); default 0",
+    )
+    p.add_argument("--copy-len", type=int, default=0, help="total length of a copy sequence (default: the training length)")
+    p.add_argument(
+        "--copy-min-len",
+        type=int,
+        default=0,
+        help="if set, each copy row's total length is drawn uniformly from [this, --copy-len] (copy distances vary)",
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=None, help=f"training length in tokens (default {TRAIN_LENGTH}; --eval-only: from training.json)"
+    )
     p.add_argument("--log-every", type=int, default=0, help="log every N steps (default: steps/10)")
     p.add_argument("--no-probe", dest="probe", action="store_false", help="skip the perplexity probes while training")
     p.add_argument("--eval-only", action="store_true", help="measure the saved checkpoints at 256..2048 tokens")
@@ -671,10 +804,22 @@ def main(argv=None) -> int:
         action="store_true",
         help="with --eval-only: also the copy probe (a 64-token held-out passage repeated at the window's end)",
     )
-    p.add_argument("--recall-only", action="store_true", help="with --eval-only: only the copy probe")
+    p.add_argument(
+        "--recall-only", action="store_true", help="with --eval-only: no perplexity; the recall probe (or only --copy-probe if given)"
+    )
+    p.add_argument(
+        "--copy-probe",
+        action="store_true",
+        help="with --eval-only: also a copy probe in the format of the copy rows (random-token [SEP, x, SEP, x] of each length)",
+    )
+    p.add_argument("--copy-probe-seqs", type=int, default=32, help="sequences per length in --copy-probe")
     args = p.parse_args(argv)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
-    args.recall = args.recall or args.recall_only
+    args.recall = args.recall or (args.recall_only and not args.copy_probe)
+    if not args.eval_only and args.seq_len is None:
+        args.seq_len = TRAIN_LENGTH
+    if not 0 <= args.copy_fraction <= 1:
+        p.error(f"--copy-fraction must be in [0, 1], got {args.copy_fraction}")
     unknown = set(args.models) - set(NAMES)
     if unknown:
         p.error(f"unknown model(s) {sorted(unknown)}; choose from {', '.join(NAMES)}")
