@@ -20,17 +20,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from ..errors import PatchError
-from ..methods import nope, rope
+from ..methods import rope
 from ..methods.remap import REMAP_METHODS
 from ..spec import PatchSpec
 from .base import Adapter, Restore, run_all
 from .gpt2 import _keep_n_ctx_in_step
+from .rotary import STATIC_METHODS  # the same frequency rules as rotary modules
 
 #: The rope base GPT-J and CodeGen hard-code (their configs have no field for it).
 BASE = 10000.0
@@ -40,14 +40,6 @@ ORIGINAL = "_ctxext_original_table"
 #: Why the methods that replace the attention function are refused (its own eager / flash classes, no registry).
 NO_ATTENTION_INTERFACE = "attention bypasses transformers' AttentionInterface (not replaceable)"
 
-METHODS: dict[str, Callable] = {
-    "pi": rope.position_interpolation,
-    "ntk": rope.ntk_scale,
-    "yarn": rope.yarn,
-    "llama3": rope.llama3,
-    "extrapolate": rope.identity,
-    "nope": nope.identity_rotation,
-}
 
 
 def plain_inv_freq(dim: int) -> torch.Tensor:
@@ -120,7 +112,7 @@ class SinCosTableAdapter(Adapter):
             original = getattr(table_modules(model)[0][1], TABLE)
             dim = original.shape[1]
             inputs = rope.RopeInputs(plain_inv_freq(dim), BASE, dim, spec.original_length)
-            inv_freq, attention_factor = METHODS[spec.method](inputs, spec.factor, **spec.options)
+            inv_freq, attention_factor = STATIC_METHODS[spec.method](inputs, spec.factor, **spec.options)
             rows = max(original.shape[0], spec.patched_length or 0)
             table = sincos_table(inv_freq, rows, attention_factor)
             for _, module in table_modules(model):
