@@ -315,6 +315,26 @@ def test_resume_reaches_the_same_result(bases, trained):
     assert [e["step"] for e in steps if e["event"] == "step"] == list(range(1, 7))
 
 
+def test_resume_with_dropout_is_bit_identical(bases, tmp_path):
+    """With LoRA dropout the random state matters: a run stopped and resumed (accelerate's save_state / load_state)
+    draws the same dropout masks as an uninterrupted one. Checkpoints hold only the trainable weights."""
+    from safetensors.torch import load_file
+
+    extra = dict(lora={"dropout": 0.3}, train={"steps": 4}, eval={"enabled": False})
+    straight = run(make(bases, tmp_path / "straight", **extra), progress=False)
+    recipe = make(bases, tmp_path / "resumed", **extra)
+    run(recipe, stop_after=2, progress=False)
+    ckpt = tmp_path / "resumed" / "checkpoints" / "step-000002"
+    assert (ckpt / "state.json").exists() and (ckpt / "random_states_0.pkl").exists()
+    saved = load_file(str(ckpt / "model.safetensors"))
+    assert saved and all("lora_" in name for name in saved), sorted(saved)[:3]  # no frozen base weights
+    resumed = run(recipe, resume=True, progress=False)
+    assert resumed["losses"] == straight["losses"]  # exact: same masks, same optimizer state
+    a = load_file(str(tmp_path / "straight" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "adapter_model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_gpt2_pi_trains_and_saves_the_interpolated_table(bases, tmp_path):
     from peft import PeftModel
 
@@ -403,5 +423,24 @@ def test_two_processes_train_like_one(bases, trained, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((out / "results.json").read_text())
     assert two["world_size"] == 2
+    assert two["losses"] == pytest.approx(summary["losses"], rel=1e-4)
+    assert two["after"]["128"]["ppl"] == pytest.approx(summary["after"]["128"]["ppl"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_two_processes_stopped_and_resumed_train_like_one(bases, trained, tmp_path):
+    """torchrun x2 stopped after 3 steps and resumed (accelerate's load_state into the DDP-wrapped model, each
+    process's random state) follows the uninterrupted single-process run."""
+    _, summary = trained
+    out = tmp_path / "two-resumed"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(bases, out)))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              "-m", "ctxext", "finetune", str(path), "--no-progress"]
+    for extra in (["--stop-after", "3"], ["--resume"]):
+        proc = subprocess.run(launch + extra, capture_output=True, text=True, cwd=REPO, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((out / "results.json").read_text())
+    assert two["world_size"] == 2 and two["steps"] == 6
     assert two["losses"] == pytest.approx(summary["losses"], rel=1e-4)
     assert two["after"]["128"]["ppl"] == pytest.approx(summary["after"]["128"]["ppl"], rel=1e-4)

@@ -8,7 +8,6 @@ every key is typed and checked, unknown keys are errors, and ``--set a.b=value``
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -239,6 +238,11 @@ class Recipe:
         return paths
 
 
+#: how pydantic reads every section: unknown keys refused, numbers finite, numbers accepted where a name is expected
+for _section_class in (ModelConfig, PatchConfig, LoraConfig, DataConfig, PoseConfig, TrainConfig, EvalConfig,
+                       OutputConfig):
+    _section_class.__pydantic_config__ = {"extra": "forbid", "allow_inf_nan": False, "coerce_numbers_to_str": True}
+
 REFERENCE_PREFIX = "reference:"
 
 
@@ -265,102 +269,12 @@ SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe) if not f.metadata
 
 
 # ---------------------------------------------------------------------------------------------- parsing
+# Types are read by pydantic (lax mode: YAML 1.1's "2e-4" is a number, 10.0 an integer); its errors are turned into
+# one line per key path, and the keys it could not read keep their defaults so that the checks of the rest still run.
 
 
 def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
-
-
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        name = " or ".join(_type_name(a) for a in args)
-        return name + (" or null" if len(args) < len(typing.get_args(tp)) else "")
-    if origin is list:
-        (inner,) = typing.get_args(tp) or (Any,)
-        plural = {int: "integers", float: "numbers", str: "strings"}.get(inner, "values")
-        return f"a list of {plural}"
-    if tp is dict:
-        return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return f"a mapping ({', '.join(f.name for f in dataclasses.fields(tp))})"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-        tp, getattr(tp, "__name__", str(tp)))
-
-
-def _coerce(value: Any, tp, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise RecipeError(f"{where}: must be {_type_name(tp)}, got null")
-        errors = []
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
-            if value is False and type(None) in args:
-                return None  # "pose: false" = off
-            return _coerce(value, inner[0], where)  # its own messages, with their key paths
-        # try list before str so "[a, b]" stays a list, str before float so names stay names
-        for arg in sorted(inner, key=lambda a: 0 if typing.get_origin(a) is list else 1):
-            try:
-                return _coerce(value, arg, where)
-            except RecipeError as exc:
-                errors.append(exc)
-        raise RecipeError(f"{where}: must be {_type_name(tp)}, got {value!r}")
-    if value is None:
-        raise RecipeError(f"{where}: must be {_type_name(tp)}, got null")
-    if origin is list:
-        (inner,) = typing.get_args(tp) or (Any,)
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise RecipeError(f"{where}: must be {_type_name(tp)}, got {value!r}")
-        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _subsection(tp, value, where)
-    if tp is dict:
-        if not isinstance(value, dict):
-            raise RecipeError(f"{where}: must be a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
-            return value.lower() in ("true", "yes")
-        raise RecipeError(f"{where}: must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise RecipeError(f"{where}: must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise RecipeError(f"{where}: must be an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise RecipeError(f"{where}: must be a number, got {value!r}")
-        try:
-            number = float(value)  # YAML 1.1 reads 2e-4 as a string
-        except (TypeError, ValueError):
-            raise RecipeError(f"{where}: must be a number, got {value!r}") from None
-        if not math.isfinite(number):
-            raise RecipeError(f"{where}: must be a finite number, got {value!r}")
-        return number
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise RecipeError(f"{where}: must be a string, got {value!r}")
-    raise RecipeError(f"{where}: unsupported type {tp}")  # pragma: no cover
 
 
 def _nested_section(tp):
@@ -374,22 +288,59 @@ def _nested_section(tp):
     return None
 
 
-def _subsection(cls, value: Any, where: str):
-    """A mapping inside a section (e.g. ``train.pose``), every problem with its key path; ``true`` = the defaults
-    (``false`` = off is read by the Optional around it, in :func:`_coerce`)."""
-    if value is True:
-        return cls()
-    if not isinstance(value, dict):
-        raise RecipeError(f"{where}: must be true, null or {_type_name(cls)}, got {value!r}")
-    problems = Problems()
-    section = _section(cls, value, where, problems)
-    if problems:
-        raise RecipeError("; ".join(problems.items), problems.items)
-    return section
+def _type_name(tp) -> str:
+    nested = _nested_section(tp)
+    if nested is not None:
+        return f"true, null or a mapping ({', '.join(f.name for f in dataclasses.fields(nested))})"
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        name = " or ".join(_type_name(a) for a in args)
+        return name + (" or null" if len(args) < len(typing.get_args(tp)) else "")
+    if typing.get_origin(tp) is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        return f"a list of {({int: 'integers', float: 'numbers', str: 'strings'}).get(inner, 'values')}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _read_section(cls, data: dict):
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(cls).validate_python(data)
+
+
+def _pose_shorthand(value: Any) -> Any:
+    return {} if value is True else (None if value is False else value)  # "pose: true" = defaults, false = off
+
+
+def _copy(data: Any) -> Any:
+    return {k: _copy(v) for k, v in data.items()} if isinstance(data, dict) else data
+
+
+def _numeric(tp) -> bool:
+    """An integer or number key (true / false there is a mistake, not 1 / 0)."""
+    args = set(typing.get_args(tp)) if typing.get_origin(tp) in (Union, types.UnionType) else {tp}
+    return bool(args & {int, float}) and bool not in args
+
+
+def _field_at(cls, loc: tuple) -> tuple[list[str], Any]:
+    """The key path and annotation of the dataclass field an error location points into (list indices and union
+    branches after it dropped)."""
+    path, tp = [], None
+    for part in loc:
+        if not (dataclasses.is_dataclass(cls) and part in _hints(cls)):
+            break
+        path.append(part)
+        tp = _hints(cls)[part]
+        cls = _nested_section(tp)
+    return path, tp
 
 
 def _section(cls, data: Any, where: str, problems: Problems):
-    """Read one section; every unknown key and unreadable value goes to ``problems`` (the default stays)."""
+    """Read one section; every unknown key and unreadable value goes to ``problems`` (with its key path) and
+    keeps its default."""
+    from pydantic import ValidationError
+
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -397,27 +348,52 @@ def _section(cls, data: Any, where: str, problems: Problems):
                      f"got {data!r}")
         problems.bad.add(where)
         return cls()
-    hints = _hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in known]
-    if unknown:
-        problems.add(f"unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
-                     f"{where} accepts: {', '.join(known)}")
-    values = {}
-    for k, v in data.items():
-        if k not in known:
-            continue
-        nested = _nested_section(hints[k])
-        if nested is not None and isinstance(v, dict):  # e.g. train.pose: read like a section, same problem list
-            values[k] = _section(nested, v, f"{where}.{k}", problems)
-            continue
+    data = {k: _pose_shorthand(v) if _nested_section(_hints(cls).get(k)) else _copy(v) for k, v in data.items()}
+    # pydantic's lax mode reads true as 1: a true / false given for a number is a mistake
+    errors = [{"loc": (k,), "type": "bool"} for k, v in data.items()
+              if isinstance(v, bool) and k in _hints(cls) and _numeric(_hints(cls)[k])]
+    unknown: dict[tuple, list[str]] = {}
+    while True:  # each pass drops what it could not read (it keeps its default) until the rest reads
         try:
-            values[k] = _coerce(v, hints[k], f"{where}.{k}")
-        except RecipeError as exc:
-            for item in exc.problems:
-                problems.add(item)
-            problems.bad.add(f"{where}.{k}")
-    return cls(**values)
+            if not errors:
+                section = _read_section(cls, data)
+                break
+        except ValidationError as exc:
+            errors = exc.errors()
+        seen: set[tuple] = set()
+        for err in errors:
+            path, tp = _field_at(cls, err["loc"])
+            if tuple(path) in seen:  # one message per key (a union reports each branch)
+                continue
+            seen.add(tuple(path))
+            if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+                unknown.setdefault(tuple(path), []).append(str(err["loc"][len(path)]))
+                _drop(data, path + [err["loc"][len(path)]])
+                continue
+            key, value = ".".join([where, *path]), _value_at(data, path)
+            finite = "a finite number" if err["type"] == "finite_number" else _type_name(tp)
+            problems.add(f"{key}: must be {finite}, got {'null' if value is None else repr(value)}")
+            problems.bad.add(key)
+            _drop(data, path)
+        errors = []
+    for parent, keys in unknown.items():
+        name = ".".join([where, *parent])
+        fields = dataclasses.fields(_nested_section(_field_at(cls, parent)[1]) if parent else cls)
+        problems.add(f"unknown key(s) {', '.join(f'{name}.{k}' for k in keys)}; "
+                     f"{name} accepts: {', '.join(f.name for f in fields)}")
+    return section
+
+
+def _value_at(data: dict, path: list[str]) -> Any:
+    for part in path:
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _drop(data: dict, path: list[str]) -> None:
+    parent = _value_at(data, path[:-1])
+    if isinstance(parent, dict):
+        parent.pop(path[-1], None)
 
 
 def recipe_from_dict(data: Any, source: str | None = None, problems: Problems | None = None) -> Recipe:

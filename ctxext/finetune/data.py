@@ -5,7 +5,6 @@ multi-process run sees exactly the batches of an uninterrupted single-process ru
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from pathlib import Path

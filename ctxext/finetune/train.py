@@ -348,9 +348,10 @@ def run(
     # The scheduler is stepped once per optimizer step by hand: accelerate's wrapper would step it once per
     # process, making the schedule depend on the process count.
     scheduler = get_scheduler(t.scheduler, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.steps)
+    ckpt.register(acc, scheduler)
 
     if resuming:
-        ckpt.load(latest, acc, model, optimizer, scheduler)
+        ckpt.load(latest, acc)
         log.truncate_after(state["step"])
         log.write(event="resume", step=state["step"], checkpoint=latest.name, world_size=world)
         say(f"resumed from {latest} at step {state['step']}")
@@ -403,7 +404,7 @@ def run(
             raise RuntimeError(f"loss is {mean_loss} at step {state['step']}: lower train.lr or check the data")
         stopping = stop_after is not None and ran >= stop_after and state["step"] < t.steps
         if (t.save_every and state["step"] % t.save_every == 0 and state["step"] < t.steps) or stopping:
-            path = ckpt.save(out, acc, model, optimizer, scheduler, state, recipe, keep=t.keep_checkpoints)
+            path = ckpt.save(out, acc, state, recipe, keep=t.keep_checkpoints)
             log.write(event="checkpoint", step=state["step"], path=str(path))
     bar.close()
 
