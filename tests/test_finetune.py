@@ -156,6 +156,26 @@ def test_every_problem_is_reported_at_once(bases, tmp_path):
     assert message.count("; ") >= 5
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"train": {"steps": True}}, "train.steps: must be an integer, got True"),  # not read as 1
+    ({"train": {"lr": float("inf")}}, "train.lr: must be a finite number, got inf"),
+    ({"train": {"mixed_precision": "fp8"}}, "train.mixed_precision must be one of no, bf16, fp16, got 'fp8'"),
+    ({"lora": {"bias": "some"}}, "lora.bias must be one of none, all, lora_only, got 'some'"),
+    ({"eval": {"lengths": [128, 1]}}, "eval.lengths must be >= 2, got [128, 1] (at eval.lengths[1])"),
+    ({"eval": {"stride": 0}}, "eval.stride must be >= 1 or null, got 0"),
+    ({"train": {"max_grad_norm": 0}}, "train.max_grad_norm must be > 0 or null, got 0"),
+    ({"lora": {"target_modules": {"q": 1}}}, "lora.target_modules: must be a "),  # (union order is typing's)
+])
+def test_types_bounds_and_choices_name_their_key(bases, tmp_path, change, message):
+    d = recipe_dict(bases, tmp_path / "out")
+    for key, value in change.items():
+        d[key] = {**d[key], **value}
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(d)
+    assert [p for p in err.value.problems if message in p], err.value.problems
+    assert len(err.value.problems) == 1, err.value.problems  # one message per key, no follow-on noise
+
+
 def test_types_are_coerced(bases, tmp_path):
     r = make(bases, tmp_path, train={"lr": "2e-4", "steps": 10.0}, patch={"method": "none", "factor": None})
     assert r.train.lr == pytest.approx(2e-4) and r.train.steps == 10 and r.patch.method is None
