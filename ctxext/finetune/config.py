@@ -754,7 +754,7 @@ def _where(recipe: Recipe, item: str) -> str:
 
 def _check_data_files(recipe: Recipe, problems: Problems) -> None:
     """data.files: every entry exists; folders hold text; data.exclude does not drop everything."""
-    from .files import expand_files
+    from .data import expand_files
 
     d = recipe.data
     paths, complete = [], True
