@@ -3,6 +3,7 @@ JSON lines and JSON lists holding the text in one field, and folders of them."""
 
 from __future__ import annotations
 
+import fnmatch
 import gzip
 import json
 import lzma
@@ -86,3 +87,19 @@ def read_documents(path: Path, text_field: str, hint: str, errors: str = "strict
         yield from (str(r[text_field]) for r in rows)
     else:
         yield read_text(path, errors)
+
+
+def select_files(paths: list[Path], exclude: list[str] = (), exclude_key: str = "exclude") -> list[Path]:
+    """Files to read, in order: folders searched (:func:`find_files`), then ``exclude`` (glob patterns, matched with
+    and without a compression suffix) applied. ValueError for a folder without data or nothing left."""
+    files: list[Path] = []
+    for p in paths:
+        found = find_files(p) if p.is_dir() else [p]
+        if not found:
+            raise ValueError(f"folder {str(p)!r} holds no .txt or .jsonl files")
+        files.extend(found)
+    kept = [f for f in files
+            if not any(fnmatch.fnmatch(f.name, pat) or fnmatch.fnmatch(plain_name(f), pat) for pat in exclude)]
+    if not kept:
+        raise ValueError(f"every file is excluded by {exclude_key} {list(exclude)}")
+    return kept

@@ -746,6 +746,16 @@ def check_model_sources(m: ModelConfig, err, hub: bool = False) -> None:
             err(str(exc), key)
 
 
+def expand_files(paths: list[Path], exclude: list[str]) -> list[Path]:
+    """A recipe's data files, found as evaluation finds them (``textfiles.select_files``)."""
+    from ..textfiles import select_files
+
+    try:
+        return select_files(paths, exclude, exclude_key="data.exclude")
+    except ValueError as exc:
+        raise RecipeError(f"data.files: {exc}") from None
+
+
 def _where(recipe: Recipe, item: str) -> str:
     if Path(item).expanduser().is_absolute():
         return ""
@@ -754,8 +764,6 @@ def _where(recipe: Recipe, item: str) -> str:
 
 def _check_data_files(recipe: Recipe, problems: Problems) -> None:
     """data.files: every entry exists; folders hold text; data.exclude does not drop everything."""
-    from .data import expand_files
-
     d = recipe.data
     paths, complete = [], True
     for f in d.files:

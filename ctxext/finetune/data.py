@@ -5,7 +5,6 @@ multi-process run sees exactly the batches of an uninterrupted single-process ru
 
 from __future__ import annotations
 
-import fnmatch
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,23 +12,7 @@ from pathlib import Path
 import torch
 
 from .. import textfiles
-from .config import DataConfig, RecipeError
-
-
-def expand_files(paths: list[Path], exclude: list[str]) -> list[Path]:
-    """Files to read, in order: folders searched as evaluation searches them (``textfiles.find_files``), then
-    ``exclude`` (glob patterns, matched with and without a .xz suffix) applied."""
-    files: list[Path] = []
-    for p in paths:
-        found = textfiles.find_files(p) if p.is_dir() else [p]
-        if not found:
-            raise RecipeError(f"data.files: folder {str(p)!r} holds no .txt or .jsonl files")
-        files.extend(found)
-    kept = [f for f in files if not any(fnmatch.fnmatch(f.name, pat) or fnmatch.fnmatch(textfiles.plain_name(f), pat)
-                                        for pat in exclude)]
-    if not kept:
-        raise RecipeError(f"data.files: every file is excluded by data.exclude {exclude}")
-    return kept
+from .config import DataConfig, RecipeError, expand_files
 
 
 def read_documents(path: Path, text_field: str, key: str) -> Iterator[str]:
