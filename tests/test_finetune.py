@@ -383,6 +383,33 @@ def test_gpt2_pi_trains_and_saves_the_interpolated_table(bases, tmp_path):
         torch.testing.assert_close(reloaded(x).logits, merged(x).logits, atol=1e-5, rtol=1e-5)
 
 
+def test_gpt_neo_pi_trains_and_bakes_the_interpolated_table(bases, tmp_path):
+    """GPT-Neo: LoRA on its nn.Linear projections (not GPT-2's transposed Conv1D) and the patched wpe trained; the
+    merged model is a plain GPT-Neo of the longer length (transformers builds the longer masks from the config)."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM, PreTrainedTokenizerFast
+
+    base_dir = tmp_path / "neo"
+    torch.manual_seed(0)
+    cfg = GPTNeoConfig(vocab_size=PreTrainedTokenizerFast.from_pretrained(bases["gpt2"]).vocab_size + 2,
+                       hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=64,
+                       attention_types=[[["global", "local"], 1]], window_size=16, bos_token_id=1, eos_token_id=1)
+    GPTNeoForCausalLM(cfg).save_pretrained(base_dir)
+    PreTrainedTokenizerFast.from_pretrained(bases["gpt2"]).save_pretrained(base_dir)
+    out = tmp_path / "neo-run"
+    r = make(bases, out, model={"name": str(base_dir)}, patch={"method": "pi", "factor": 2},
+             lora={"target_modules": ["q_proj", "v_proj"], "trainable": ["wpe"]}, output={"merged": True},
+             train={"lr": 1e-2})
+    summary = run(r, progress=False)
+    assert summary["finished"] and summary["seq_length"] == 128
+    assert summary["after"]["128"]["ppl"] < summary["before"]["128"]["ppl"]
+    merged = ctxext.from_pretrained(str(out / "merged")).eval()
+    assert merged.config.max_position_embeddings == 128 and ctxext.describe(merged) is None
+    x = (torch.arange(120) * 7 % 100).unsqueeze(0)
+    with torch.no_grad():
+        reloaded = ctxext.from_pretrained(str(base_dir), adapter=str(out)).eval()
+        torch.testing.assert_close(reloaded(x).logits, merged(x).logits, atol=1e-5, rtol=1e-5)
+
+
 def test_opt_pi_trains_and_bakes_the_interpolated_table(bases, tmp_path):
     """The OPT-style table (offset rows first) trains under pi like GPT-2's, and the merged model bakes it."""
     from peft import PeftModel
