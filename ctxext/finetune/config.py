@@ -384,13 +384,17 @@ def _section(cls, data: Any, where: str, problems: Problems):
         seen: set[tuple] = set()
         for err in errors:
             path, tp = _field_at(cls, err["loc"])
-            if tuple(path) in seen:  # one message per key (a union reports each branch)
-                continue
-            seen.add(tuple(path))
             if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
                 unknown.setdefault(tuple(path), []).append(str(err["loc"][len(path)]))
                 _drop(data, path + [err["loc"][len(path)]])
                 continue
+            if not path:  # about the section as a whole: nothing to drop, so report it and keep the defaults
+                problems.add(f"{where}: {err.get('msg', err['type'])}")
+                problems.bad.add(where)
+                return cls()
+            if tuple(path) in seen:  # one message per key (a union reports each branch)
+                continue
+            seen.add(tuple(path))
             key, value = ".".join([where, *path]), _value_at(data, path)
             problems.add(_message(key, err, tp, value))
             problems.bad.add(key)
