@@ -122,7 +122,7 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: str, lengths: list[int] | Non
     model = load_model(recipe.model)
     spec = apply_patch(recipe, model)
     model = add_lora(recipe, model, model_source(recipe.model))
-    weights = load_file(str(run_dir / "checkpoints" / checkpoint / "trainable.safetensors"))
+    weights = load_file(str(run_dir / "checkpoints" / checkpoint / "model.safetensors"))
     params = dict(model.named_parameters())
     for name, value in weights.items():
         params[name].data.copy_(value)

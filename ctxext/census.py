@@ -258,6 +258,11 @@ def tiny_config(model_type: str, overrides: dict[str, Any] | None = None):
         for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
             if key in kwargs:
                 kwargs[key] = layers
+    layers = list(dict.fromkeys(getattr(default, "attention_layers", None) or []))  # GPT-Neo: global / local
+    if layers and hasattr(default, "attention_types"):
+        kwargs.update(attention_types=[[layers, 1]], num_layers=len(layers))
+        if hasattr(default, "window_size"):
+            kwargs["window_size"] = WINDOW
     overrides = dict(overrides or {})
     if "rope" in overrides:
         kwargs.update(_rope_overrides(config_class, default, overrides.pop("rope")))

@@ -1,8 +1,9 @@
 """Reading text data from files, for evaluation and fine-tuning alike: plain or compressed (``.gz``, ``.xz``) text,
-and JSON lines holding the text in one field."""
+JSON lines and JSON lists holding the text in one field, and folders of them."""
 
 from __future__ import annotations
 
+import fnmatch
 import gzip
 import json
 import lzma
@@ -53,3 +54,52 @@ def iter_jsonl(path: Path, text_field: str, hint: str, errors: str = "strict") -
             if not isinstance(row, dict) or text_field not in row:
                 raise ValueError(f"{path}:{number}: no {text_field!r} field ({hint})")
             yield str(row[text_field])
+
+
+#: What a data folder is searched for (each also .gz / .xz compressed): text files (one document each) and JSON lines
+#: (one document per line). A JSON list (.json) is read when named, not picked up from a folder (configs are JSON too).
+TEXT_SUFFIXES = {".txt", ".md", ".text", ".rst"}
+JSONL_SUFFIXES = {".jsonl", ".ndjson"}
+
+
+def find_files(folder: Path) -> list[Path]:
+    """The data files under ``folder``, searched recursively and sorted by path (hidden files skipped)."""
+    return sorted(f for f in Path(folder).rglob("*")
+                  if f.is_file() and inner_suffix(f) in TEXT_SUFFIXES | JSONL_SUFFIXES and not f.name.startswith("."))
+
+
+def read_documents(path: Path, text_field: str, hint: str, errors: str = "strict") -> Iterator[str]:
+    """The documents of one file: the ``text_field`` of each JSON line (.jsonl, .ndjson) or of each object of a JSON
+    list (.json; JSON lines saved as .json read as such), else the whole file as one document."""
+    kind = inner_suffix(path)
+    if kind in JSONL_SUFFIXES:
+        yield from iter_jsonl(path, text_field, hint, errors)
+    elif kind == ".json":
+        try:
+            rows = json.loads(read_text(path, errors))
+        except json.JSONDecodeError:
+            yield from iter_jsonl(path, text_field, hint, errors)
+            return
+        rows = rows["data"] if isinstance(rows, dict) and isinstance(rows.get("data"), list) else rows
+        rows = [rows] if isinstance(rows, dict) else rows
+        if not isinstance(rows, list) or not all(isinstance(r, dict) and text_field in r for r in rows):
+            raise ValueError(f"{path}: expected a list of objects with a {text_field!r} field ({hint})")
+        yield from (str(r[text_field]) for r in rows)
+    else:
+        yield read_text(path, errors)
+
+
+def select_files(paths: list[Path], exclude: list[str] = (), exclude_key: str = "exclude") -> list[Path]:
+    """Files to read, in order: folders searched (:func:`find_files`), then ``exclude`` (glob patterns, matched with
+    and without a compression suffix) applied. ValueError for a folder without data or nothing left."""
+    files: list[Path] = []
+    for p in paths:
+        found = find_files(p) if p.is_dir() else [p]
+        if not found:
+            raise ValueError(f"folder {str(p)!r} holds no .txt or .jsonl files")
+        files.extend(found)
+    kept = [f for f in files
+            if not any(fnmatch.fnmatch(f.name, pat) or fnmatch.fnmatch(plain_name(f), pat) for pat in exclude)]
+    if not kept:
+        raise ValueError(f"every file is excluded by {exclude_key} {list(exclude)}")
+    return kept

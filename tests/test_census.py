@@ -33,6 +33,7 @@ REQUIRED = {
     "bloom": "alibi-bias",
     "mpt": "alibi-bias",
     "gpt2": "learned",
+    "gpt_neo": "learned-masked",
     "gptj": "sincos",
     "codegen": "sincos",
     "xglm": "refused",  # a fixed sinusoidal table, not a learned one
@@ -49,6 +50,7 @@ MUST_PATCH = {
     "rotary": ["pi", "ntk", "dynamic-ntk", "yarn", "llama3", "nope", "extrapolate"],
     "alibi-bias": ["pi", "nope", "extrapolate"],
     "learned": ["pi", "alibi", "nope", "extrapolate"],
+    "learned-masked": ["pi", "nope", "extrapolate"],  # GPT-Neo: its own attention, no ALiBi swap
     "sincos": ["pi", "ntk", "yarn", "llama3", "nope", "extrapolate"],
     "refused": [],
     "scaled": ["pi", "ntk", "dynamic-ntk", "yarn", "llama3", "extrapolate"],

@@ -156,6 +156,26 @@ def test_every_problem_is_reported_at_once(bases, tmp_path):
     assert message.count("; ") >= 5
 
 
+@pytest.mark.parametrize("change, message", [
+    ({"train": {"steps": True}}, "train.steps: must be an integer, got True"),  # not read as 1
+    ({"train": {"lr": float("inf")}}, "train.lr: must be a finite number, got inf"),
+    ({"train": {"mixed_precision": "fp8"}}, "train.mixed_precision must be one of no, bf16, fp16, got 'fp8'"),
+    ({"lora": {"bias": "some"}}, "lora.bias must be one of none, all, lora_only, got 'some'"),
+    ({"eval": {"lengths": [128, 1]}}, "eval.lengths must be >= 2, got [128, 1] (at eval.lengths[1])"),
+    ({"eval": {"stride": 0}}, "eval.stride must be >= 1 or null, got 0"),
+    ({"train": {"max_grad_norm": 0}}, "train.max_grad_norm must be > 0 or null, got 0"),
+    ({"lora": {"target_modules": {"q": 1}}}, "lora.target_modules: must be a "),  # (union order is typing's)
+])
+def test_types_bounds_and_choices_name_their_key(bases, tmp_path, change, message):
+    d = recipe_dict(bases, tmp_path / "out")
+    for key, value in change.items():
+        d[key] = {**d[key], **value}
+    with pytest.raises(RecipeError) as err:
+        recipe_from_dict(d)
+    assert [p for p in err.value.problems if message in p], err.value.problems
+    assert len(err.value.problems) == 1, err.value.problems  # one message per key, no follow-on noise
+
+
 def test_types_are_coerced(bases, tmp_path):
     r = make(bases, tmp_path, train={"lr": "2e-4", "steps": 10.0}, patch={"method": "none", "factor": None})
     assert r.train.lr == pytest.approx(2e-4) and r.train.steps == 10 and r.patch.method is None
@@ -315,6 +335,26 @@ def test_resume_reaches_the_same_result(bases, trained):
     assert [e["step"] for e in steps if e["event"] == "step"] == list(range(1, 7))
 
 
+def test_resume_with_dropout_is_bit_identical(bases, tmp_path):
+    """With LoRA dropout the random state matters: a run stopped and resumed (accelerate's save_state / load_state)
+    draws the same dropout masks as an uninterrupted one. Checkpoints hold only the trainable weights."""
+    from safetensors.torch import load_file
+
+    extra = dict(lora={"dropout": 0.3}, train={"steps": 4}, eval={"enabled": False})
+    straight = run(make(bases, tmp_path / "straight", **extra), progress=False)
+    recipe = make(bases, tmp_path / "resumed", **extra)
+    run(recipe, stop_after=2, progress=False)
+    ckpt = tmp_path / "resumed" / "checkpoints" / "step-000002"
+    assert (ckpt / "state.json").exists() and (ckpt / "random_states_0.pkl").exists()
+    saved = load_file(str(ckpt / "model.safetensors"))
+    assert saved and all("lora_" in name for name in saved), sorted(saved)[:3]  # no frozen base weights
+    resumed = run(recipe, resume=True, progress=False)
+    assert resumed["losses"] == straight["losses"]  # exact: same masks, same optimizer state
+    a = load_file(str(tmp_path / "straight" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "resumed" / "adapter_model.safetensors"))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_gpt2_pi_trains_and_saves_the_interpolated_table(bases, tmp_path):
     from peft import PeftModel
 
@@ -340,6 +380,33 @@ def test_gpt2_pi_trains_and_saves_the_interpolated_table(bases, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, merged(x).logits, atol=1e-5, rtol=1e-5)
         reloaded = ctxext.from_pretrained(str(bases["gpt2"]), adapter=str(out)).eval()
+        torch.testing.assert_close(reloaded(x).logits, merged(x).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_gpt_neo_pi_trains_and_bakes_the_interpolated_table(bases, tmp_path):
+    """GPT-Neo: LoRA on its nn.Linear projections (not GPT-2's transposed Conv1D) and the patched wpe trained; the
+    merged model is a plain GPT-Neo of the longer length (transformers builds the longer masks from the config)."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM, PreTrainedTokenizerFast
+
+    base_dir = tmp_path / "neo"
+    torch.manual_seed(0)
+    cfg = GPTNeoConfig(vocab_size=PreTrainedTokenizerFast.from_pretrained(bases["gpt2"]).vocab_size + 2,
+                       hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=64,
+                       attention_types=[[["global", "local"], 1]], window_size=16, bos_token_id=1, eos_token_id=1)
+    GPTNeoForCausalLM(cfg).save_pretrained(base_dir)
+    PreTrainedTokenizerFast.from_pretrained(bases["gpt2"]).save_pretrained(base_dir)
+    out = tmp_path / "neo-run"
+    r = make(bases, out, model={"name": str(base_dir)}, patch={"method": "pi", "factor": 2},
+             lora={"target_modules": ["q_proj", "v_proj"], "trainable": ["wpe"]}, output={"merged": True},
+             train={"lr": 1e-2})
+    summary = run(r, progress=False)
+    assert summary["finished"] and summary["seq_length"] == 128
+    assert summary["after"]["128"]["ppl"] < summary["before"]["128"]["ppl"]
+    merged = ctxext.from_pretrained(str(out / "merged")).eval()
+    assert merged.config.max_position_embeddings == 128 and ctxext.describe(merged) is None
+    x = (torch.arange(120) * 7 % 100).unsqueeze(0)
+    with torch.no_grad():
+        reloaded = ctxext.from_pretrained(str(base_dir), adapter=str(out)).eval()
         torch.testing.assert_close(reloaded(x).logits, merged(x).logits, atol=1e-5, rtol=1e-5)
 
 
@@ -403,5 +470,24 @@ def test_two_processes_train_like_one(bases, trained, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     two = json.loads((out / "results.json").read_text())
     assert two["world_size"] == 2
+    assert two["losses"] == pytest.approx(summary["losses"], rel=1e-4)
+    assert two["after"]["128"]["ppl"] == pytest.approx(summary["after"]["128"]["ppl"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_two_processes_stopped_and_resumed_train_like_one(bases, trained, tmp_path):
+    """torchrun x2 stopped after 3 steps and resumed (accelerate's load_state into the DDP-wrapped model, each
+    process's random state) follows the uninterrupted single-process run."""
+    _, summary = trained
+    out = tmp_path / "two-resumed"
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe_dict(bases, out)))
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+              "-m", "ctxext", "finetune", str(path), "--no-progress"]
+    for extra in (["--stop-after", "3"], ["--resume"]):
+        proc = subprocess.run(launch + extra, capture_output=True, text=True, cwd=REPO, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    two = json.loads((out / "results.json").read_text())
+    assert two["world_size"] == 2 and two["steps"] == 6
     assert two["losses"] == pytest.approx(summary["losses"], rel=1e-4)
     assert two["after"]["128"]["ppl"] == pytest.approx(summary["after"]["128"]["ppl"], rel=1e-4)

@@ -24,7 +24,7 @@ def test_every_cell_says_what_happens_or_why_not():
 def test_available_methods_matches_the_table():
     table = ctxext.available_methods()
     assert set(table) == set(METHODS)
-    assert table["pi"] == ["rotary", "sincos", "gpt2", "offset-table", "bloom", "mpt", "falcon-alibi"]
+    assert table["pi"] == ["rotary", "sincos", "gpt2", "gpt-neo", "offset-table", "bloom", "mpt", "falcon-alibi"]
     assert table["alibi"] == ["rotary", "gpt2", "offset-table"]
     assert table["yarn"] == ["rotary", "sincos"] and table["dynamic-ntk"] == ["rotary"]
 
@@ -35,7 +35,8 @@ def test_cli_prints_the_markdown_table():
     ).stdout
     assert out.strip() == format_method_table(markdown=True)
     assert out.splitlines()[0] == ("| method | LLaMA-family (rotary) | GPT-J / CodeGen (rotary sin-cos table) | "
-                                   "GPT-2 (learned absolute) | OPT-style (learned absolute, embed_positions) | "
+                                   "GPT-2 (learned absolute) | GPT-Neo (learned absolute + causal-mask buffers) | "
+                                   "OPT-style (learned absolute, embed_positions) | "
                                    "BLOOM (ALiBi) | MPT (ALiBi) | Falcon (ALiBi) |")
     assert "| `alibi` |" in out and "| `nope` |" in out and "error: already ALiBi" in out
 

@@ -58,3 +58,31 @@ def test_a_damaged_compressed_file_is_one_clear_error(tmp_path):
         load_texts(str(path))
     with pytest.raises(RecipeError, match=r"data: .*book.txt.xz: not a valid .xz file"):
         list(iter_documents([path], DataConfig(files=[str(path)])))
+
+
+def test_eval_and_finetune_read_the_same_folder(tmp_path):
+    """One folder search for both: text (also .md, compressed) and JSON lines, recursively, sorted by path; other
+    files (a JSON config, binaries, hidden files) are not data."""
+    import json
+
+    (tmp_path / "b").mkdir()
+    _write(tmp_path / "b" / "notes.md", "Notes.")
+    _write(tmp_path / "a.txt.xz", DOCS[0])
+    _write(tmp_path / "c.jsonl", "".join(json.dumps({"text": d}) + "\n" for d in DOCS))
+    (tmp_path / "config.json").write_text('{"not": "data"}')
+    (tmp_path / ".hidden.txt").write_text("hidden")
+    expected = [DOCS[0], "Notes.", *DOCS]
+    assert load_texts(str(tmp_path)).texts == expected
+    assert list(iter_documents([tmp_path], DataConfig(files=[str(tmp_path)]))) == expected
+
+
+def test_a_json_list_is_read_by_both(tmp_path):
+    import json
+
+    path = tmp_path / "docs.json"
+    path.write_text(json.dumps([{"text": d} for d in DOCS]))
+    assert load_texts(str(path)).texts == DOCS
+    assert list(iter_documents([path], DataConfig(files=[str(path)]))) == DOCS
+    path.write_text(json.dumps([{"body": "x"}]))
+    with pytest.raises(RecipeError, match=r"data.files: .*docs.json: expected a list of objects with a 'text' field"):
+        list(iter_documents([path], DataConfig(files=[str(path)])))

@@ -9,14 +9,15 @@ from .alibi_bias import FalconAlibiAdapter, MptAdapter
 from .base import Adapter
 from .bloom import BloomAdapter
 from .gpt2 import GPT2Adapter
+from .gpt_neo import GPTNeoAdapter
 from .offset_table import OffsetTableAdapter
 from .rotary import RotaryAdapter
 from .sincos_table import SinCosTableAdapter
 
 #: One adapter per positional family, in detection order (and column order of the method table).
 ADAPTERS: list[Adapter] = [
-    RotaryAdapter(), SinCosTableAdapter(), GPT2Adapter(), OffsetTableAdapter(), BloomAdapter(), MptAdapter(),
-    FalconAlibiAdapter(),
+    RotaryAdapter(), SinCosTableAdapter(), GPT2Adapter(), GPTNeoAdapter(), OffsetTableAdapter(), BloomAdapter(),
+    MptAdapter(), FalconAlibiAdapter(),
 ]
 
 

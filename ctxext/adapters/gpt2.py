@@ -60,8 +60,10 @@ class PositionTable(nn.Module):
 
 
 def position_owner(model: nn.Module) -> nn.Module | None:
-    """The submodule holding ``wte`` and ``wpe`` (GPT2Model), with ``wpe`` sized by the config's ``n_positions``."""
-    n_positions = getattr(getattr(model, "config", None), "n_positions", None)
+    """The submodule holding ``wte`` and ``wpe`` (GPT2Model), with ``wpe`` sized by the config's ``n_positions``
+    (GPT-Neo's config calls it ``max_position_embeddings``)."""
+    config = getattr(model, "config", None)
+    n_positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None)
     for module in model.modules():
         wpe = getattr(module, "wpe", None)
         if isinstance(wpe, PositionTable):
@@ -87,8 +89,8 @@ class GPT2Adapter(Adapter):
     }
     unsupported = {m: "not rotary" for m in ("ntk", "dynamic-ntk", "yarn", "llama3", *REMAP_METHODS)}
 
-    def detect(self, model: nn.Module) -> bool:
-        return position_owner(model) is not None
+    def detect(self, model: nn.Module) -> bool:  # GPT-2's config names the length n_positions (GPT-Neo's does not)
+        return position_owner(model) is not None and getattr(model.config, "n_positions", None) is not None
 
     def check(self, model: nn.Module, spec: PatchSpec) -> None:
         if spec.method == "alibi":
@@ -153,7 +155,7 @@ class GPT2Adapter(Adapter):
         return native_form(model, spec, check_only=check_only)
 
     def restore_exported(self, model: nn.Module, tensors: dict[str, torch.Tensor], spec: PatchSpec) -> None:
-        restore_exported(model, tensors, spec)
+        restore_exported(model, tensors, spec, self.length_attr)
 
 
 def _keep_n_ctx_in_step(config, spec: PatchSpec) -> Restore:
@@ -208,9 +210,10 @@ def native_form(model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
                               f"{spec.patched_length}")
 
 
-def restore_exported(model: nn.Module, tensors: dict[str, torch.Tensor], spec: PatchSpec) -> None:
+def restore_exported(model: nn.Module, tensors: dict[str, torch.Tensor], spec: PatchSpec,
+                     length_attr: str = "n_positions") -> None:
     """A GPT-2 exported natively and loaded as saved (``wpe`` = the patched table): the original table back (from
-    ``tensors``, as :func:`native_form` saved it) and the original length in the config."""
+    ``tensors``, as :func:`native_form` saved it) and the original length in the config (``length_attr``)."""
     from ..errors import PatchError
 
     config = model.config
@@ -224,7 +227,7 @@ def restore_exported(model: nn.Module, tensors: dict[str, torch.Tensor], spec: P
     restored.weight = nn.Parameter(original.to(dtype=wpe.weight.dtype, device=wpe.weight.device),
                                    requires_grad=wpe.weight.requires_grad)
     owner.wpe = restored
-    patched = getattr(config, "n_positions", None)
-    config.n_positions = original.shape[0]
+    patched = getattr(config, length_attr, None)
+    setattr(config, length_attr, original.shape[0])
     if vars(config).get("n_ctx") == patched:
         config.n_ctx = original.shape[0]

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ..textfiles import inner_suffix, iter_jsonl, read_text
+from ..textfiles import find_files, inner_suffix, read_documents
 
-TEXT_SUFFIXES = (".txt", ".txt.gz", ".txt.xz")
+HINT = "choose one with --text-field"
 _DATASET_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
 
 
@@ -21,30 +20,6 @@ class Texts:
     texts: list[str]
     #: How the data was found (recorded in the results JSON).
     info: dict[str, Any] = field(default_factory=dict)
-
-
-def _read_text(path: Path) -> str:
-    return read_text(path)
-
-
-def _read_jsonl(path: Path, text_field: str) -> list[str]:
-    return list(iter_jsonl(path, text_field, hint="choose one with --text-field"))
-
-
-def _read_json(path: Path, text_field: str) -> list[str]:
-    """A JSON list of objects with ``text_field`` (or JSON lines saved as .json)."""
-    raw = path.read_text(encoding="utf-8")
-    try:
-        rows = json.loads(raw)
-    except json.JSONDecodeError:
-        return _read_jsonl(path, text_field)
-    if isinstance(rows, dict) and isinstance(rows.get("data"), list):
-        rows = rows["data"]
-    if isinstance(rows, dict):
-        rows = [rows]
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and text_field in r for r in rows):
-        raise ValueError(f"{path}: expected a list of objects with a {text_field!r} field (choose one with --text-field)")
-    return [str(r[text_field]) for r in rows]
 
 
 def _column(dataset, text_field: str, where: str) -> list[str]:
@@ -118,27 +93,22 @@ def load_texts(data: str, *, split: str = "test", text_field: str = "text") -> T
 
     - a ``.jsonl`` file (also ``.jsonl.gz`` / ``.jsonl.xz``): one document per line, from ``text_field``; a
       ``.json`` list of such objects;
-    - a text file (``.txt``, ``.txt.gz``, ``.txt.xz`` or any other non-JSONL file): one document;
-    - a folder with ``.txt`` files (searched recursively, sorted by path): one document per file;
+    - a text file (``.txt``, ``.txt.gz``, ``.txt.xz`` or any other non-JSON file): one document;
+    - a folder of such files (searched recursively, sorted by path; ``ctxext.textfiles.find_files``, as a recipe's
+      data folders are);
     - a folder saved by ``datasets`` (``save_to_disk``) or loadable by ``datasets.load_dataset``, or a hub
       dataset name: the ``text_field`` column of ``split``.
     """
     path = Path(data)
     info: dict[str, Any] = {"data": data}
     if path.is_file():
-        if inner_suffix(path) in (".jsonl", ".ndjson"):
-            texts = _read_jsonl(path, text_field)
-            info.update(format="jsonl", text_field=text_field)
-        elif path.suffix == ".json":
-            texts = _read_json(path, text_field)
-            info.update(format="json", text_field=text_field)
-        else:
-            texts = [_read_text(path)]
-            info.update(format="text")
+        texts = list(read_documents(path, text_field, HINT))
+        kind = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json"}.get(inner_suffix(path), "text")
+        info.update(format=kind, **({"text_field": text_field} if kind != "text" else {}))
     elif path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(TEXT_SUFFIXES))
+        files = find_files(path)
         if files and not any((path / m).exists() for m in _DATASET_MARKERS):
-            texts = [_read_text(p) for p in files]
+            texts = [t for f in files for t in read_documents(f, text_field, HINT)]
             info.update(format="text-folder", files=[str(p.relative_to(path)) for p in files])
         else:
             texts = _load_dataset(data, split, text_field)

@@ -1,28 +1,29 @@
-"""Resumable checkpoints: trainable weights, optimizer, schedule, RNG of every process, and the step
-(which is also the data position: see :class:`ctxext.finetune.data.PackedData`).
+"""Resumable checkpoints, written by accelerate's ``save_state`` and read back by ``load_state``: trainable weights,
+optimizer (sharded as accelerate shards it under FSDP / DeepSpeed), the schedule, the gradient scaler and the random
+state of every process. ctxext adds the step (which is also the data position: see
+:class:`ctxext.finetune.data.PackedData`), the recipe and keep-last-N.
 
-Layout: ``OUT/checkpoints/step-000100/`` with ``trainable.safetensors``, ``optimizer.pt``,
-``scheduler.pt``, ``rng-<rank>.pt`` and ``state.json``, written last, so a folder without it is an
-incomplete checkpoint and is ignored. Only the trainable parameters are saved (LoRA and
-``modules_to_save``), not the frozen base model.
+Layout: ``OUT/checkpoints/step-000100/`` with accelerate's files (``model.safetensors``, ``optimizer.bin``,
+``custom_checkpoint_0.pkl`` for the schedule, ``random_states_<rank>.pkl``, ...) and ``state.json``, written last, so
+a folder without it is an incomplete checkpoint and is ignored. Without sharding only the trainable parameters are
+saved (LoRA and ``modules_to_save``), not the frozen base model.
 """
 
 from __future__ import annotations
 
 import json
-import random
 import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from .config import Recipe, RecipeError
 
 DIRNAME = "checkpoints"
 STATE = "state.json"
+WEIGHTS = "model.safetensors"  # accelerate's name for the first model's weights
 #: Recipe keys that may change between an interrupted run and its resumption (they do not change the result).
 RESUMABLE_CHANGES = {
     "eval", "output.merged", "output.overwrite", "train.save_every", "train.keep_checkpoints", "train.log_every",
@@ -62,37 +63,45 @@ def _trainable(model) -> dict[str, torch.Tensor]:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+def register(acc, scheduler) -> None:
+    """Teach ``acc.save_state`` / ``load_state`` this run's pieces: the hand-stepped schedule (stepped once per
+    optimizer step, so it is not prepared by accelerate) and weights limited to the trainable parameters, saved
+    under their unwrapped names so a checkpoint resumes under any number of processes."""
+    acc.register_for_checkpointing(scheduler)
+
+    def keep_trainable(models, weights, _dir):
+        for i, model in enumerate(models[:len(weights)]):
+            weights[i] = {n: p.detach().to("cpu").contiguous().clone()
+                          for n, p in _trainable(acc.unwrap_model(model)).items()}
+
+    def load_trainable(models, input_dir):
+        from safetensors.torch import load_file
+
+        path = Path(input_dir)
+        for model in models:
+            params = _trainable(acc.unwrap_model(model))
+            weights = load_file(str(path / WEIGHTS))
+            missing, unexpected = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+            if missing or unexpected:
+                raise RecipeError(f"checkpoint {path} does not match the model's trainable parameters "
+                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(weights[name].to(p.device, p.dtype))
+        models.clear()  # loaded here: accelerate would load the partial weights strictly
+
+    acc.register_save_state_pre_hook(keep_trainable)
+    acc.register_load_state_pre_hook(load_trainable)
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save(out: Path, acc, model, optimizer, scheduler, state: dict, recipe: Recipe, keep: int) -> Path:
+def save(out: Path, acc, state: dict, recipe: Recipe, keep: int) -> Path:
     """Write a checkpoint for ``state['step']`` (collective: every process calls it)."""
-    from safetensors.torch import save_file
-
-    root = Path(out) / DIRNAME
-    path = root / f"step-{state['step']:06d}"
+    path = Path(out) / DIRNAME / f"step-{state['step']:06d}"
     acc.wait_for_everyone()
     if acc.is_main_process:
         shutil.rmtree(path, ignore_errors=True)
-        path.mkdir(parents=True)
-        weights = {n: p.detach().to("cpu").contiguous().clone() for n, p in _trainable(acc.unwrap_model(model)).items()}
-        save_file(weights, str(path / "trainable.safetensors"))
-        torch.save(optimizer.state_dict(), path / "optimizer.pt")
-        torch.save(scheduler.state_dict(), path / "scheduler.pt")
     acc.wait_for_everyone()
-    torch.save(_rng_state(), path / f"rng-{acc.process_index}.pt")
+    acc.save_state(str(path))
     acc.wait_for_everyone()
     if acc.is_main_process:
         record = dict(state, world_size=acc.num_processes, recipe=recipe.to_dict())
@@ -125,27 +134,13 @@ def check_compatible(path: Path, recipe: Recipe) -> None:
         )
 
 
-def load(path: Path, acc, model, optimizer, scheduler) -> None:
-    """Restore a checkpoint into a freshly prepared model/optimizer/scheduler (every process calls it)."""
-    from safetensors.torch import load_file
-
-    path = Path(path)
-    weights = load_file(str(path / "trainable.safetensors"))
-    params = _trainable(acc.unwrap_model(model))
-    missing = sorted(set(params) - set(weights))
-    unexpected = sorted(set(weights) - set(params))
-    if missing or unexpected:
-        raise RecipeError(f"checkpoint {path} does not match the model's trainable parameters "
-                          f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
-    with torch.no_grad():
-        for name, p in params.items():
-            p.copy_(weights[name].to(p.device, p.dtype))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", map_location="cpu", weights_only=False))
-    rng = path / f"rng-{acc.process_index}.pt"
-    saved_world = json.loads((path / STATE).read_text()).get("world_size", 1)
-    if rng.exists() and saved_world == acc.num_processes:
-        _set_rng_state(torch.load(rng, map_location="cpu", weights_only=False))
-    else:
-        warnings.warn(f"checkpoint {path.name} was written by {saved_world} process(es), this run has "
-                      f"{acc.num_processes}: random state (dropout) is not restored", stacklevel=2)
+def load(path: Path, acc) -> None:
+    """Restore a checkpoint into the prepared model / optimizer and the registered schedule (every process)."""
+    saved_world = json.loads((Path(path) / STATE).read_text()).get("world_size", 1)
+    if (Path(path) / "trainable.safetensors").exists():
+        raise RecipeError(f"checkpoint {path} was written by an earlier ctxext (before accelerate's save_state) and "
+                          "cannot be resumed: start over with --set output.overwrite=true")
+    acc.load_state(str(path))
+    if saved_world != acc.num_processes:
+        warnings.warn(f"checkpoint {Path(path).name} was written by {saved_world} process(es), this run has "
+                      f"{acc.num_processes}: random state (dropout) is not carried over exactly", stacklevel=2)

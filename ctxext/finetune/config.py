@@ -8,16 +8,21 @@ every key is typed and checked, unknown keys are errors, and ``--set a.b=value``
 from __future__ import annotations
 
 import dataclasses
-import math
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
+from annotated_types import Ge, Gt  # pydantic's constraint markers: it checks them and names the bound
+
 
 from .errors import RecipeError  # re-exported: ctxext.finetune.config.RecipeError
+
+AtLeast1 = Annotated[int, Ge(1)]
+AtLeast2 = Annotated[int, Ge(2)]
+NotNegative = Annotated[int, Ge(0)]
 
 
 def _one_line(text: str) -> str:
@@ -58,7 +63,7 @@ class ModelConfig:
     #: tokenizer source; default: the model's
     tokenizer: Optional[str] = None
     #: weights dtype: float32, bfloat16, float16 or auto
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16", "float16", "auto"] = "float32"
     attn_implementation: Optional[str] = None
     revision: Optional[str] = None
     trust_remote_code: bool = False
@@ -74,15 +79,15 @@ class PatchConfig:
 
 @dataclass
 class LoraConfig:
-    r: int = 8
-    alpha: float = 16.0
+    r: AtLeast1 = 8
+    alpha: Annotated[float, Gt(0)] = 16.0
     dropout: float = 0.0
     #: module-name suffixes to adapt; null = peft's default for the architecture; "all-linear" = every linear layer
     target_modules: Optional[Union[list[str], str]] = None
     #: modules trained in full and saved with the adapter (peft ``modules_to_save``), matched by name suffix:
     #: LongLoRA trains ``[embed_tokens, norm]``; GPT-2 + PI trains ``[wpe]``, the interpolated position table
     trainable: list[str] = field(default_factory=list)
-    bias: str = "none"
+    bias: Literal["none", "all", "lora_only"] = "none"
     use_rslora: bool = False
 
 
@@ -104,14 +109,14 @@ class DataConfig:
     streaming: bool = False
     text_field: str = "text"
     #: read at most this many documents (files, JSONL lines and dataset rows, in order); null = all
-    max_documents: Optional[int] = None
+    max_documents: Optional[AtLeast1] = None
     #: training sequence length; default: the patched length (factor x the model's original length); with
     #: train.pose: the model's original length
-    seq_length: Optional[int] = None
+    seq_length: Optional[AtLeast2] = None
     #: append the tokenizer's EOS after each document before packing
     add_eos: bool = True
     #: cap on the number of packed training sequences (after shuffling); null = all
-    max_sequences: Optional[int] = None
+    max_sequences: Optional[AtLeast1] = None
 
 
 @dataclass
@@ -122,34 +127,34 @@ class PoseConfig:
     The skips and cuts are fixed by ``train.seed`` and the sample's index in the run (as the batch order is)."""
 
     #: the length the position ids span; default: the patched length (patch.factor x the model's original length)
-    target_length: Optional[int] = None
+    target_length: Optional[AtLeast2] = None
     #: pieces per window (the paper's default, 2: the first chunk keeps positions 0.., the second is shifted)
-    chunks: int = 2
+    chunks: AtLeast2 = 2
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000
+    steps: AtLeast1 = 1000
     #: global batch: sequences per optimizer step, over all processes
-    batch_size: int = 8
+    batch_size: AtLeast1 = 8
     #: sequences per forward pass on one process; gradient accumulation = batch_size / (micro_batch_size x processes)
-    micro_batch_size: int = 1
-    lr: float = 2e-4
-    warmup_steps: int = 20
+    micro_batch_size: AtLeast1 = 1
+    lr: Annotated[float, Gt(0)] = 2e-4
+    warmup_steps: NotNegative = 20
     #: a ``transformers.get_scheduler`` name: linear, cosine, constant_with_warmup, ...
     scheduler: str = "cosine"
-    weight_decay: float = 0.0
+    weight_decay: Annotated[float, Ge(0)] = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    max_grad_norm: Optional[float] = 1.0
+    max_grad_norm: Optional[Annotated[float, Gt(0)]] = 1.0
     gradient_checkpointing: bool = True
     #: accelerate mixed precision: "no", "bf16" or "fp16"
-    mixed_precision: str = "no"
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     seed: int = 0
-    log_every: int = 1
+    log_every: AtLeast1 = 1
     #: write a resumable checkpoint every N optimizer steps (0: only at the end)
-    save_every: int = 100
+    save_every: NotNegative = 100
     #: checkpoints kept on disk (oldest deleted first)
-    keep_checkpoints: int = 2
+    keep_checkpoints: NotNegative = 2
     #: force CPU even where an accelerator is present
     cpu: bool = False
     #: PoSE: train at the short data.seq_length (default then: the model's original length) with position ids
@@ -165,11 +170,11 @@ class EvalConfig:
     #: (relative paths as in data.files)
     data: Union[list[str], str] = "reference"
     #: evaluation lengths; default: [data.seq_length] (with train.pose: [train.pose.target_length])
-    lengths: list[int] = field(default_factory=list)
-    protocol: str = "chunks"
-    stride: Optional[int] = None
-    max_windows: Optional[int] = 8
-    batch_size: int = 1
+    lengths: list[AtLeast2] = field(default_factory=list)
+    protocol: Literal["chunks", "sliding"] = "chunks"
+    stride: Optional[AtLeast1] = None
+    max_windows: Optional[AtLeast1] = 8
+    batch_size: AtLeast1 = 1
     #: also evaluate the patched model before training (training-free)
     before: bool = True
     #: also evaluate the model as loaded, before the patch
@@ -239,6 +244,11 @@ class Recipe:
         return paths
 
 
+#: how pydantic reads every section: unknown keys refused, numbers finite, numbers accepted where a name is expected
+for _section_class in (ModelConfig, PatchConfig, LoraConfig, DataConfig, PoseConfig, TrainConfig, EvalConfig,
+                       OutputConfig):
+    _section_class.__pydantic_config__ = {"extra": "forbid", "allow_inf_nan": False, "coerce_numbers_to_str": True}
+
 REFERENCE_PREFIX = "reference:"
 
 
@@ -265,102 +275,12 @@ SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe) if not f.metadata
 
 
 # ---------------------------------------------------------------------------------------------- parsing
+# Types are read by pydantic (lax mode: YAML 1.1's "2e-4" is a number, 10.0 an integer); its errors are turned into
+# one line per key path, and the keys it could not read keep their defaults so that the checks of the rest still run.
 
 
 def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
-
-
-def _type_name(tp) -> str:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        name = " or ".join(_type_name(a) for a in args)
-        return name + (" or null" if len(args) < len(typing.get_args(tp)) else "")
-    if origin is list:
-        (inner,) = typing.get_args(tp) or (Any,)
-        plural = {int: "integers", float: "numbers", str: "strings"}.get(inner, "values")
-        return f"a list of {plural}"
-    if tp is dict:
-        return "a mapping"
-    if dataclasses.is_dataclass(tp):
-        return f"a mapping ({', '.join(f.name for f in dataclasses.fields(tp))})"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
-        tp, getattr(tp, "__name__", str(tp)))
-
-
-def _coerce(value: Any, tp, where: str) -> Any:
-    origin = typing.get_origin(tp)
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None:
-            if type(None) in args:
-                return None
-            raise RecipeError(f"{where}: must be {_type_name(tp)}, got null")
-        errors = []
-        inner = [a for a in args if a is not type(None)]
-        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
-            if value is False and type(None) in args:
-                return None  # "pose: false" = off
-            return _coerce(value, inner[0], where)  # its own messages, with their key paths
-        # try list before str so "[a, b]" stays a list, str before float so names stay names
-        for arg in sorted(inner, key=lambda a: 0 if typing.get_origin(a) is list else 1):
-            try:
-                return _coerce(value, arg, where)
-            except RecipeError as exc:
-                errors.append(exc)
-        raise RecipeError(f"{where}: must be {_type_name(tp)}, got {value!r}")
-    if value is None:
-        raise RecipeError(f"{where}: must be {_type_name(tp)}, got null")
-    if origin is list:
-        (inner,) = typing.get_args(tp) or (Any,)
-        if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple)):
-            raise RecipeError(f"{where}: must be {_type_name(tp)}, got {value!r}")
-        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        return _subsection(tp, value, where)
-    if tp is dict:
-        if not isinstance(value, dict):
-            raise RecipeError(f"{where}: must be a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no"):
-            return value.lower() in ("true", "yes")
-        raise RecipeError(f"{where}: must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise RecipeError(f"{where}: must be an integer, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value.replace("_", ""))
-            except ValueError:
-                pass
-        raise RecipeError(f"{where}: must be an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, bool):
-            raise RecipeError(f"{where}: must be a number, got {value!r}")
-        try:
-            number = float(value)  # YAML 1.1 reads 2e-4 as a string
-        except (TypeError, ValueError):
-            raise RecipeError(f"{where}: must be a number, got {value!r}") from None
-        if not math.isfinite(number):
-            raise RecipeError(f"{where}: must be a finite number, got {value!r}")
-        return number
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return str(value)
-        raise RecipeError(f"{where}: must be a string, got {value!r}")
-    raise RecipeError(f"{where}: unsupported type {tp}")  # pragma: no cover
 
 
 def _nested_section(tp):
@@ -374,22 +294,74 @@ def _nested_section(tp):
     return None
 
 
-def _subsection(cls, value: Any, where: str):
-    """A mapping inside a section (e.g. ``train.pose``), every problem with its key path; ``true`` = the defaults
-    (``false`` = off is read by the Optional around it, in :func:`_coerce`)."""
-    if value is True:
-        return cls()
-    if not isinstance(value, dict):
-        raise RecipeError(f"{where}: must be true, null or {_type_name(cls)}, got {value!r}")
-    problems = Problems()
-    section = _section(cls, value, where, problems)
-    if problems:
-        raise RecipeError("; ".join(problems.items), problems.items)
-    return section
+def _type_name(tp) -> str:
+    nested = _nested_section(tp)
+    if nested is not None:
+        return f"true, null or a mapping ({', '.join(f.name for f in dataclasses.fields(nested))})"
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        name = " or ".join(_type_name(a) for a in args)
+        return name + (" or null" if len(args) < len(typing.get_args(tp)) else "")
+    if typing.get_origin(tp) is list:
+        (inner,) = typing.get_args(tp) or (Any,)
+        return f"a list of {({int: 'integers', float: 'numbers', str: 'strings'}).get(inner, 'values')}"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}.get(
+        tp, getattr(tp, "__name__", str(tp)))
+
+
+def _read_section(cls, data: dict):
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(cls).validate_python(data)
+
+
+def _pose_shorthand(value: Any) -> Any:
+    return {} if value is True else (None if value is False else value)  # "pose: true" = defaults, false = off
+
+
+def _copy(data: Any) -> Any:
+    return {k: _copy(v) for k, v in data.items()} if isinstance(data, dict) else data
+
+
+def _message(key: str, err: dict, tp, value: Any) -> str:
+    """One line for a value pydantic refused: a bound or a choice it broke, else the type it must have."""
+    ctx, kind = err.get("ctx", {}), err["type"]
+    got = "null" if value is None else repr(value)
+    if kind == "literal_error":
+        return f"{key} must be one of {', '.join(typing.get_args(tp))}, got {got}"  # (no Optional choices)
+    bound = {"greater_than_equal": ">=", "greater_than": ">"}.get(kind)
+    if bound:
+        limit = format(ctx.get("ge", ctx.get("gt")), "g")
+        null = " or null" if type(None) in typing.get_args(tp) else ""
+        entry = "".join(f"[{i}]" for i in err["loc"] if isinstance(i, int))  # which list entry
+        return f"{key} must be {bound} {limit}{null}, got {got}" + (f" (at {key}{entry})" if entry else "")
+    return f"{key}: must be {'a finite number' if kind == 'finite_number' else _type_name(tp)}, got {got}"
+
+
+def _numeric(tp) -> bool:
+    """An integer or number key (true / false there is a mistake, not 1 / 0)."""
+    args = set(typing.get_args(tp)) if typing.get_origin(tp) in (Union, types.UnionType) else {tp}
+    return bool(args & {int, float}) and bool not in args
+
+
+def _field_at(cls, loc: tuple) -> tuple[list[str], Any]:
+    """The key path and annotation of the dataclass field an error location points into (list indices and union
+    branches after it dropped)."""
+    path, tp = [], None
+    for part in loc:
+        if not (dataclasses.is_dataclass(cls) and part in _hints(cls)):
+            break
+        path.append(part)
+        tp = _hints(cls)[part]
+        cls = _nested_section(tp)
+    return path, tp
 
 
 def _section(cls, data: Any, where: str, problems: Problems):
-    """Read one section; every unknown key and unreadable value goes to ``problems`` (the default stays)."""
+    """Read one section; every unknown key and unreadable value goes to ``problems`` (with its key path) and
+    keeps its default."""
+    from pydantic import ValidationError
+
     if data is None:
         data = {}
     if not isinstance(data, dict):
@@ -397,27 +369,55 @@ def _section(cls, data: Any, where: str, problems: Problems):
                      f"got {data!r}")
         problems.bad.add(where)
         return cls()
-    hints = _hints(cls)
-    known = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in known]
-    if unknown:
-        problems.add(f"unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
-                     f"{where} accepts: {', '.join(known)}")
-    values = {}
-    for k, v in data.items():
-        if k not in known:
-            continue
-        nested = _nested_section(hints[k])
-        if nested is not None and isinstance(v, dict):  # e.g. train.pose: read like a section, same problem list
-            values[k] = _section(nested, v, f"{where}.{k}", problems)
-            continue
+    data = {k: _pose_shorthand(v) if _nested_section(_hints(cls).get(k)) else _copy(v) for k, v in data.items()}
+    # pydantic's lax mode reads true as 1: a true / false given for a number is a mistake
+    errors = [{"loc": (k,), "type": "bool"} for k, v in data.items()
+              if isinstance(v, bool) and k in _hints(cls) and _numeric(_hints(cls)[k])]
+    unknown: dict[tuple, list[str]] = {}
+    while True:  # each pass drops what it could not read (it keeps its default) until the rest reads
         try:
-            values[k] = _coerce(v, hints[k], f"{where}.{k}")
-        except RecipeError as exc:
-            for item in exc.problems:
-                problems.add(item)
-            problems.bad.add(f"{where}.{k}")
-    return cls(**values)
+            if not errors:
+                section = _read_section(cls, data)
+                break
+        except ValidationError as exc:
+            errors = exc.errors()
+        seen: set[tuple] = set()
+        for err in errors:
+            path, tp = _field_at(cls, err["loc"])
+            if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+                unknown.setdefault(tuple(path), []).append(str(err["loc"][len(path)]))
+                _drop(data, path + [err["loc"][len(path)]])
+                continue
+            if not path:  # about the section as a whole: nothing to drop, so report it and keep the defaults
+                problems.add(f"{where}: {err.get('msg', err['type'])}")
+                problems.bad.add(where)
+                return cls()
+            if tuple(path) in seen:  # one message per key (a union reports each branch)
+                continue
+            seen.add(tuple(path))
+            key, value = ".".join([where, *path]), _value_at(data, path)
+            problems.add(_message(key, err, tp, value))
+            problems.bad.add(key)
+            _drop(data, path)
+        errors = []
+    for parent, keys in unknown.items():
+        name = ".".join([where, *parent])
+        fields = dataclasses.fields(_nested_section(_field_at(cls, parent)[1]) if parent else cls)
+        problems.add(f"unknown key(s) {', '.join(f'{name}.{k}' for k in keys)}; "
+                     f"{name} accepts: {', '.join(f.name for f in fields)}")
+    return section
+
+
+def _value_at(data: dict, path: list[str]) -> Any:
+    for part in path:
+        data = data.get(part) if isinstance(data, dict) else None
+    return data
+
+
+def _drop(data: dict, path: list[str]) -> None:
+    parent = _value_at(data, path[:-1])
+    if isinstance(parent, dict):
+        parent.pop(path[-1], None)
 
 
 def recipe_from_dict(data: Any, source: str | None = None, problems: Problems | None = None) -> Recipe:
@@ -610,11 +610,6 @@ def load_recipe(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
 
 # ------------------------------------------------------------------------------------------- validation
 
-DTYPES = ("float32", "bfloat16", "float16", "auto")
-MIXED = ("no", "bf16", "fp16")
-PROTOCOLS = ("chunks", "sliding")
-
-
 def validate(recipe: Recipe, problems: Problems | None = None) -> None:
     """Checks that need no model: required keys, ranges, known names, data present. With ``problems``, adds to it;
     without, raises one RecipeError listing every problem."""
@@ -632,9 +627,7 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
             err(f"model.name: unknown reference checkpoint {m.name!r}; choose one of "
                 + ", ".join(REFERENCE_PREFIX + n for n in reference.REFERENCE_NAMES), "model.name")
     else:
-        _check_local_model(m, err)
-    if m.dtype not in DTYPES:
-        err(f"model.dtype must be one of {', '.join(DTYPES)}, got {m.dtype!r}", "model.dtype")
+        check_model_sources(m, err)
     if not o.dir:
         err("output.dir is required (the folder for the adapter, checkpoints and log)", "output.dir")
     else:
@@ -666,14 +659,8 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
     elif p.factor is not None or p.options:
         err("patch.factor/options given without patch.method", "patch.method")
 
-    if lo.r < 1:
-        err(f"lora.r must be >= 1, got {lo.r}", "lora.r")
-    if lo.alpha <= 0:
-        err(f"lora.alpha must be > 0, got {lo.alpha:g}", "lora.alpha")
     if not 0 <= lo.dropout < 1:
         err(f"lora.dropout must be in [0, 1), got {lo.dropout:g}", "lora.dropout")
-    if lo.bias not in ("none", "all", "lora_only"):
-        err(f"lora.bias must be none, all or lora_only, got {lo.bias!r}", "lora.bias")
     if isinstance(lo.target_modules, list) and not lo.target_modules:
         err("lora.target_modules is an empty list; name modules, use all-linear, or null for peft's default",
             "lora.target_modules")
@@ -682,53 +669,24 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
         err("data: give data.files (text/JSONL files or folders, or reference:train) or data.dataset "
             "(a datasets name)", "data.files")
     _check_data_files(recipe, problems)
-    for key in ("seq_length",):
-        if getattr(d, key) is not None and getattr(d, key) < 2:
-            err(f"data.{key} must be >= 2, got {getattr(d, key)}", f"data.{key}")
-    for key in ("max_documents", "max_sequences"):
-        if getattr(d, key) is not None and getattr(d, key) < 1:
-            err(f"data.{key} must be >= 1, got {getattr(d, key)}", f"data.{key}")
     if not d.text_field:
         err("data.text_field must not be empty", "data.text_field")
 
-    for key in ("steps", "batch_size", "micro_batch_size", "log_every"):
-        if getattr(t, key) < 1:
-            err(f"train.{key} must be >= 1, got {getattr(t, key)}", f"train.{key}")
-    for key in ("warmup_steps", "save_every", "keep_checkpoints"):
-        if getattr(t, key) < 0:
-            err(f"train.{key} must be >= 0, got {getattr(t, key)}", f"train.{key}")
-    if t.micro_batch_size >= 1 and t.batch_size >= 1 and t.batch_size % t.micro_batch_size:
+    if t.batch_size % t.micro_batch_size:
         err(f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size "
             f"({t.micro_batch_size})", "train.batch_size")
-    if t.lr <= 0:
-        err(f"train.lr must be > 0, got {t.lr:g}", "train.lr")
-    if t.weight_decay < 0:
-        err(f"train.weight_decay must be >= 0, got {t.weight_decay:g}", "train.weight_decay")
     if len(t.betas) != 2:
         err(f"train.betas must be two numbers, got {t.betas}", "train.betas")
     elif not all(0 <= b < 1 for b in t.betas):
         err(f"train.betas must be in [0, 1), got {t.betas}", "train.betas")
-    if t.max_grad_norm is not None and t.max_grad_norm <= 0:
-        err(f"train.max_grad_norm must be > 0 or null (no clipping), got {t.max_grad_norm:g}", "train.max_grad_norm")
     if t.pose is not None:
         _check_pose(recipe, err)
-    if t.mixed_precision not in MIXED:
-        err(f"train.mixed_precision must be one of {', '.join(MIXED)}, got {t.mixed_precision!r}",
-            "train.mixed_precision")
     from transformers.trainer_utils import SchedulerType
 
     names = [s.value for s in SchedulerType]
     if t.scheduler not in names:
         err(f"train.scheduler must be one of {', '.join(names)}, got {t.scheduler!r}", "train.scheduler")
 
-    if e.protocol not in PROTOCOLS:
-        err(f"eval.protocol must be one of {', '.join(PROTOCOLS)}, got {e.protocol!r}", "eval.protocol")
-    if any(n < 2 for n in e.lengths):
-        err(f"eval.lengths must be >= 2, got {e.lengths}", "eval.lengths")
-    for key in ("stride", "max_windows", "batch_size"):
-        value = getattr(e, key)
-        if value is not None and value < 1:
-            err(f"eval.{key} must be >= 1{' or null' if key != 'batch_size' else ''}, got {value}", f"eval.{key}")
     if e.enabled:
         data = [e.data] if isinstance(e.data, str) else e.data
         if not data:
@@ -760,19 +718,14 @@ def _check_pose(recipe: Recipe, err) -> None:
     positions in the input. The target against the patched model's length is checked with the architecture
     (``finetune.train.check``)."""
     pose, d, p = recipe.train.pose, recipe.data, recipe.patch
-    if pose.chunks < 2:
-        err(f"train.pose.chunks must be >= 2 (PoSE cuts each window into chunks with skips between them), "
-            f"got {pose.chunks}", "train.pose.chunks")
     if pose.target_length is not None:
-        if pose.target_length < 2:
-            err(f"train.pose.target_length must be >= 2, got {pose.target_length}", "train.pose.target_length")
-        elif d.seq_length is not None and d.seq_length >= pose.target_length:
+        if d.seq_length is not None and d.seq_length >= pose.target_length:
             err(f"train.pose.target_length ({pose.target_length}) must be longer than data.seq_length "
                 f"({d.seq_length}), the window PoSE trains on", "train.pose.target_length")
     elif p.method is None:
         err("train.pose.target_length is required without a patch (by default it is the patched length)",
             "train.pose.target_length")
-    if d.seq_length is not None and pose.chunks >= 2 and d.seq_length < pose.chunks:
+    if d.seq_length is not None and d.seq_length < pose.chunks:
         err(f"data.seq_length ({d.seq_length}) must be at least train.pose.chunks ({pose.chunks})", "data.seq_length")
     method = (p.method or "").strip().lower()
     if method in NO_POSITION_INPUT:
@@ -781,20 +734,30 @@ def _check_pose(recipe: Recipe, err) -> None:
             "train.pose")
 
 
-def _check_local_model(m: ModelConfig, err) -> None:
-    """model.name / model.tokenizer that name a local folder (or look like a path) must be loadable from it.
-    Hub ids are checked when the run starts (``sources.check_source``), so --check works offline."""
+def check_model_sources(m: ModelConfig, err, hub: bool = False) -> None:
+    """model.name / model.tokenizer must be loadable: local folders (or what looks like a path) always, hub ids only
+    with ``hub`` (when the run starts), so --check works offline."""
     from ..sources import _looks_like_path, check_source
 
     for key, name, gguf in (("model.name", m.name, m.gguf_file), ("model.tokenizer", m.tokenizer, None)):
         if not name or name.startswith(REFERENCE_PREFIX):
             continue
-        if not (_looks_like_path(name) or Path(name).expanduser().exists()):
+        if not (hub or _looks_like_path(name) or Path(name).expanduser().exists()):
             continue
         try:
             check_source(name, gguf_file=gguf, revision=m.revision, what=key)
         except (ValueError, OSError) as exc:
             err(str(exc), key)
+
+
+def expand_files(paths: list[Path], exclude: list[str]) -> list[Path]:
+    """A recipe's data files, found as evaluation finds them (``textfiles.select_files``)."""
+    from ..textfiles import select_files
+
+    try:
+        return select_files(paths, exclude, exclude_key="data.exclude")
+    except ValueError as exc:
+        raise RecipeError(f"data.files: {exc}") from None
 
 
 def _where(recipe: Recipe, item: str) -> str:
@@ -805,8 +768,6 @@ def _where(recipe: Recipe, item: str) -> str:
 
 def _check_data_files(recipe: Recipe, problems: Problems) -> None:
     """data.files: every entry exists; folders hold text; data.exclude does not drop everything."""
-    from .files import expand_files
-
     d = recipe.data
     paths, complete = [], True
     for f in d.files:

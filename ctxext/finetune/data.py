@@ -5,16 +5,33 @@ multi-process run sees exactly the batches of an uninterrupted single-process ru
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from .config import DataConfig, RecipeError
-from ..textfiles import iter_jsonl
-from .files import JSONL_SUFFIXES, _inner_suffix, expand_files, read_text
+from .. import textfiles
+from .config import DataConfig, RecipeError, expand_files
+
+
+def read_documents(path: Path, text_field: str, key: str) -> Iterator[str]:
+    """One file's documents through the reader evaluation uses (undecodable bytes replaced, not fatal). A bad line
+    is reported under ``key``, a damaged file under ``data``."""
+    try:
+        yield from textfiles.read_documents(path, text_field, hint="set data.text_field", errors="replace")
+    except ValueError as exc:
+        lines = textfiles.inner_suffix(path) in textfiles.JSONL_SUFFIXES | {".json"}
+        raise RecipeError(f"{key if lines else 'data'}: {exc}") from None
+
+
+def read_text(path: Path) -> str:
+    """A whole file as a recipe reads text (undecodable bytes replaced)."""
+    try:
+        return textfiles.read_text(path, errors="replace")
+    except ValueError as exc:
+        raise RecipeError(f"data: {exc}") from None
+
 
 def iter_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
     """Documents in a fixed order (at most ``max_documents``): a text file, a JSONL line or a dataset row each."""
@@ -26,13 +43,7 @@ def iter_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
 
 def _all_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
     for f in expand_files(paths, cfg.exclude):
-        if _inner_suffix(f) in JSONL_SUFFIXES:
-            try:
-                yield from iter_jsonl(f, cfg.text_field, hint="set data.text_field", errors="replace")
-            except ValueError as exc:
-                raise RecipeError(f"data.files: {exc}") from None
-        else:
-            yield read_text(f)
+        yield from read_documents(f, cfg.text_field, "data.files")
     if cfg.dataset:
         yield from _dataset_documents(cfg)
 
@@ -204,9 +215,8 @@ def read_eval_tokens(recipe, tokenizer) -> tuple[torch.Tensor, str]:
             texts.append(reference_text())
             labels.append("reference (held-out emma)")
         else:
-            paths = expand_files(recipe.data_paths([item], "eval.data"), [])
-            for p in paths:
-                texts.append(read_text(p))
+            for p in expand_files(recipe.data_paths([item], "eval.data"), []):
+                texts.extend(read_documents(p, recipe.data.text_field, "eval.data"))
             labels.append(item)
     ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"]
     return torch.tensor(ids, dtype=torch.long), ", ".join(labels)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as ckpt
-from .config import Recipe, RecipeError
+from .config import Recipe, RecipeError, check_model_sources
 from .data import build_packed_data, read_eval_tokens
 from .model import (
     add_lora,
@@ -98,20 +98,6 @@ def check(recipe: Recipe) -> dict[str, Any]:
         except RecipeError as exc:
             raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "") + str(exc), exc.problems) from None
     return checked
-
-
-def _check_model_source(recipe: Recipe) -> None:
-    """A model (and tokenizer) that cannot be loaded from here fails now, not after download retries."""
-    from ..sources import check_source
-
-    m = recipe.model
-    for key, name, gguf in (("model.name", m.name, m.gguf_file), ("model.tokenizer", m.tokenizer, None)):
-        if not name or name.startswith("reference:"):
-            continue
-        try:
-            check_source(name, gguf_file=gguf, revision=m.revision, what=key)
-        except (ValueError, OSError) as exc:
-            raise RecipeError(str(exc)) from None
 
 
 def _config_length(model) -> int | None:
@@ -225,7 +211,10 @@ def run(
     t = recipe.train
     out = Path(recipe.output.dir)
     # -- checks that need no weights, on every process, before anything heavy
-    _check_model_source(recipe)
+    def refuse(message, _key):
+        raise RecipeError(message)
+
+    check_model_sources(recipe.model, refuse, hub=True)  # a model that cannot load fails now, not after retries
     checked = check(recipe)
     # accelerate starts a multi-process (gloo) CPU run only when told cpu=True
     acc = Accelerator(cpu=t.cpu or not _has_accelerator(), mixed_precision=t.mixed_precision)
@@ -348,9 +337,10 @@ def run(
     # The scheduler is stepped once per optimizer step by hand: accelerate's wrapper would step it once per
     # process, making the schedule depend on the process count.
     scheduler = get_scheduler(t.scheduler, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.steps)
+    ckpt.register(acc, scheduler)
 
     if resuming:
-        ckpt.load(latest, acc, model, optimizer, scheduler)
+        ckpt.load(latest, acc)
         log.truncate_after(state["step"])
         log.write(event="resume", step=state["step"], checkpoint=latest.name, world_size=world)
         say(f"resumed from {latest} at step {state['step']}")
@@ -403,7 +393,7 @@ def run(
             raise RuntimeError(f"loss is {mean_loss} at step {state['step']}: lower train.lr or check the data")
         stopping = stop_after is not None and ran >= stop_after and state["step"] < t.steps
         if (t.save_every and state["step"] % t.save_every == 0 and state["step"] < t.steps) or stopping:
-            path = ckpt.save(out, acc, model, optimizer, scheduler, state, recipe, keep=t.keep_checkpoints)
+            path = ckpt.save(out, acc, state, recipe, keep=t.keep_checkpoints)
             log.write(event="checkpoint", step=state["step"], path=str(path))
     bar.close()
 
