@@ -29,9 +29,11 @@ replaces the shipped checkpoints.
 
 ``--repeat-fraction`` / ``--passkey-fraction`` (off by default) mix long-range structure into the training windows:
 an earlier span repeated later, a pass key sentence and its question (issue 13; see ``make_structure``).
-``--copy-fraction`` (off by default) replaces that fraction of each batch's rows with the copy sequences of
-``ctxext lab`` (``[SEP, x, SEP, x]`` of random tokens, loss only on the second copy; see ``make_copy_rows``), and
-``--seq-len`` changes the training length (default 256; the LLaMA's ``max_position_embeddings`` follows it).
+``--random-span-fraction`` (off by default) starts that fraction of windows with a span of random tokens repeated
+later in the window (the calibration note's "Run B"). ``--copy-fraction`` (off by default) replaces that fraction
+of each batch's rows with the copy sequences of ``ctxext lab`` (``[SEP, x, SEP, x]`` of random tokens, loss only on
+the second copy; see ``make_copy_rows``), and ``--seq-len`` changes the training length (default 256; the LLaMA's
+``max_position_embeddings`` follows it).
 
 ``--eval-only`` skips training and measures the checkpoints in ``--out`` at 1x, 2x, 4x and 8x the
 training length (LLaMA also with ``--eval-methods``, default pi / ntk / yarn), the numbers in
@@ -286,13 +288,21 @@ def make_structure(tokenizer, args, length: int = TRAIN_LENGTH):
     * ``--passkey-fraction q``: in each window with probability q, a sentence carrying a random 5-digit key
       (" The pass key is K. Remember it. K is the pass key.") is written at a random place and a question
       (" What is the pass key? The pass key is K.") later, in the Austen text.
-    Draws come from their own generator (seed + 2), so the window order is the same as without them.
+    * ``--random-span-fraction r``: in each window with probability r, the window starts with a span of
+      ``--random-span-min``..``--random-span-max`` random token ids (uniform over the vocabulary, end-of-text
+      excluded) that is repeated at a random later place (overwriting the text there); the rest of the window
+      stays Austen text (the calibration note's "Run B" data).
+    Draws come from their own generator (seed + 2; the random spans from seed + 4), so the window order is the
+    same as without them.
     """
     import torch
 
-    if args.repeat_fraction <= 0 and args.passkey_fraction <= 0:
+    if args.repeat_fraction <= 0 and args.passkey_fraction <= 0 and args.random_span_fraction <= 0:
         return None
     aux = torch.Generator().manual_seed(args.seed + 2)
+    spans = torch.Generator().manual_seed(args.seed + 4)
+    if args.random_span_fraction > 0 and not 1 <= args.random_span_min <= args.random_span_max <= length // 2:
+        raise SystemExit(f"--random-span-min/--random-span-max must satisfy 1 <= min <= max <= {length // 2}")
 
     def encode(text):
         return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
@@ -316,6 +326,12 @@ def make_structure(tokenizer, args, length: int = TRAIN_LENGTH):
                 b = rand(a + len(needle), length - len(question))
                 x[row, a : a + len(needle)] = needle
                 x[row, b : b + len(question)] = question
+            if args.random_span_fraction > 0 and float(torch.rand((), generator=spans)) < args.random_span_fraction:
+                s = int(torch.randint(args.random_span_min, args.random_span_max + 1, (1,), generator=spans))
+                span = torch.randint(1, VOCAB, (s,), generator=spans)  # id 0 is the end-of-text token
+                b = int(torch.randint(s, length - s + 1, (1,), generator=spans))
+                x[row, :s] = span
+                x[row, b : b + s] = span
         return x
 
     return apply
@@ -606,6 +622,14 @@ def train(args) -> int:
             "passkey_fraction": args.passkey_fraction,
             "generator_seed": args.seed + 2,
         }
+    if args.random_span_fraction > 0:  # recorded only when used
+        shared["training"]["random_spans"] = {
+            "random_span_fraction": args.random_span_fraction,
+            "span": [args.random_span_min, args.random_span_max],
+            "format": "window starts with a span of random ids (uniform in 1..vocab-1) repeated at a uniform later "
+            "place; rest Austen text; plain LM loss",
+            "generator_seed": args.seed + 4,
+        }
     if args.copy_fraction > 0:  # recorded only when used
         shared["training"]["copy_rows"] = {
             "copy_fraction": args.copy_fraction,
@@ -775,6 +799,15 @@ def main(argv=None) -> int:
         default=0.0,
         help="fraction of training windows given a 5-digit pass key sentence and, later, its question; default 0",
     )
+    p.add_argument(
+        "--random-span-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of training windows that start with a span of random tokens repeated later in the window "
+        "(the rest Austen text); default 0",
+    )
+    p.add_argument("--random-span-min", type=int, default=16, help="shortest random span, tokens")
+    p.add_argument("--random-span-max", type=int, default=48, help="longest random span, tokens")
     p.add_argument(
         "--copy-fraction",
         type=float,

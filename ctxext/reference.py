@@ -1,12 +1,13 @@
 """The reference checkpoints shipped inside the package, and the held-out book to measure them on.
 
 Three small causal LMs (about 2.6M parameters each, one byte-level BPE tokenizer of 4096 entries)
-pretrained from scratch on five Jane Austen novels at a context of ``TRAIN_LENGTH`` = 256 tokens,
-one per positional family:
+pretrained from scratch on five Jane Austen novels, one per positional family, at the context lengths in
+``TRAIN_LENGTHS`` (``train_length(name)``):
 
-* ``"llama"``: LlamaForCausalLM, rotary positions (rope_theta 10000, grouped-query attention);
-* ``"gpt2"``:  GPT2LMHeadModel, learned absolute positions (256 rows in ``wpe``);
-* ``"bloom"``: BloomForCausalLM, ALiBi.
+* ``"llama"``: LlamaForCausalLM, rotary positions (rope_theta 10000, grouped-query attention), trained at 128
+  tokens with random-token spans repeated inside its windows, so that it leans on position (issue 13);
+* ``"gpt2"``:  GPT2LMHeadModel, learned absolute positions (256 rows in ``wpe``), trained at 256;
+* ``"bloom"``: BloomForCausalLM, ALiBi, trained at 256.
 
 The sixth novel, *Emma*, was held out; ``reference_text()`` returns it. The five training novels ship too
 (``training_files()``, ``training_texts()``; fine-tune recipes name them ``data.files: [reference:train]``).
@@ -31,8 +32,15 @@ from typing import Any
 
 #: The reference models, one per positional family.
 REFERENCE_NAMES: tuple[str, ...] = ("llama", "gpt2", "bloom")
-#: The context length the reference models were trained at.
+#: The context length each reference model was trained at (also its config's advertised length).
+TRAIN_LENGTHS: dict[str, int] = {"llama": 128, "gpt2": 256, "bloom": 256}
+#: The length GPT-2 and BLOOM were trained at (kept for code written before the LLaMA reference moved to 128).
 TRAIN_LENGTH = 256
+
+
+def train_length(name: str) -> int:
+    """The context length reference model ``name`` was trained at."""
+    return TRAIN_LENGTHS[_check_name(name)]
 
 _ROOT = Path(__file__).resolve().parent / "assets" / "reference"
 _TEXT = "emma.txt.xz"

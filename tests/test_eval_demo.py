@@ -41,6 +41,7 @@ def fake_reference(tmp_path, monkeypatch):
     fake = types.ModuleType("ctxext.reference")
     fake.REFERENCE_NAMES = ("llama", "gpt2")
     fake.TRAIN_LENGTH = TRAIN
+    fake.train_length = lambda name: TRAIN
     fake.reference_model = reference_model
     fake.reference_path = reference_path
     fake.reference_tokenizer = lambda name: AutoTokenizer.from_pretrained(tok_dir)

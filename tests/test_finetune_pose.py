@@ -106,7 +106,7 @@ def tiny_dict(out, **train):
     ({"chunks": 1}, "train.pose.chunks must be >= 2"),
     ({"chunks": "two"}, "train.pose.chunks: must be an integer, got 'two'"),
     ({"target": 1024}, "unknown key(s) train.pose.target; train.pose accepts: target_length, chunks"),
-    ({"target_length": 256}, "train.pose.target_length (256) must be longer than data.seq_length (256)"),
+    ({"target_length": 128}, "train.pose.target_length (128) must be longer than data.seq_length (128)"),
     ({"target_length": -3}, "train.pose.target_length must be >= 2"),
     (4, "train.pose: must be true, null or a mapping (target_length, chunks), got 4"),
     ("yes please", "train.pose: must be true, null or a mapping"),
@@ -149,14 +149,14 @@ def test_pose_needs_positions_in_the_model_input(tmp_path):
 def test_check_refuses_a_target_past_the_patched_length(tmp_path):
     """--check (no weights): the target against what the patched model has, the window defaulting to the
     original length."""
-    d = tiny_dict(tmp_path / "o", pose={"target_length": 2048})
-    with pytest.raises(RecipeError, match=r"train.pose.target_length \(2048\) is past the 1024 positions the "
+    d = tiny_dict(tmp_path / "o", pose={"target_length": 1024})
+    with pytest.raises(RecipeError, match=r"train.pose.target_length \(1024\) is past the 512 positions the "
                                           r"patched model has; use patch.factor >= 8"):
         check(recipe_from_dict(d))
     d = tiny_dict(tmp_path / "o", pose=True)
     del d["data"]["seq_length"]
     checked = check(recipe_from_dict(d))
-    assert (checked["seq_length"], checked["pose_target"]) == (256, 1024)
+    assert (checked["seq_length"], checked["pose_target"]) == (128, 512)  # the LLaMA reference, trained at 128
 
 
 # ------------------------------------------------------------------------------------ capability probe
@@ -223,15 +223,15 @@ def straight(tmp_path_factory):
 def test_tiny_recipe_trains_with_pose_and_reports_before_after(straight):
     out, summary = straight
     assert summary["finished"] and summary["steps"] == 4
-    assert summary["seq_length"] == 256 and summary["pose"] == {"target_length": 1024, "chunks": 2}
-    assert summary["tokens"] == 4 * 4 * 256  # each step costs a 256-token step
+    assert summary["seq_length"] == 128 and summary["pose"] == {"target_length": 512, "chunks": 2}
+    assert summary["tokens"] == 4 * 4 * 128  # each step costs a 128-token step
     for name in ("adapter_config.json", "adapter_model.safetensors", "ctxext_patch.json", "results.json"):
         assert (out / name).exists(), name
     for when in ("unpatched", "before", "after"):
-        assert set(summary[when]) == {"1024", "256"} and summary[when]["1024"]["ppl"] > 0
-    assert summary["after"]["1024"]["ppl"] != summary["before"]["1024"]["ppl"]
+        assert set(summary[when]) == {"512", "128"} and summary[when]["512"]["ppl"] > 0
+    assert summary["after"]["512"]["ppl"] != summary["before"]["512"]["ppl"]
     start = next(json.loads(x) for x in (out / "log.jsonl").read_text().splitlines() if '"start"' in x)
-    assert start["pose_target"] == 1024 and start["recipe"]["train"]["pose"] == {"target_length": 1024, "chunks": 2}
+    assert start["pose_target"] == 512 and start["recipe"]["train"]["pose"] == {"target_length": 512, "chunks": 2}
     model = ctxext.from_pretrained(str(_reference()), adapter=str(out))
     assert ctxext.describe(model)["method"] == "pi"
 

@@ -17,30 +17,33 @@ import torch
 import ctxext
 from ctxext.reference import (
     REFERENCE_NAMES,
-    TRAIN_LENGTH,
     reference_model,
     reference_path,
     reference_text,
     reference_tokenizer,
+    train_length,
 )
 
-#: Tokens of the held-out book scored in every perplexity below (16 windows of 256, 4 of 1024).
+#: Tokens of the held-out book scored in every perplexity below (32 windows of 128 ... 4 of 1024).
 SPAN = 4096
 #: Held-out perplexity at the training length that a language model stays under (see the report).
-PPL_256_MAX = {"llama": 200.0, "gpt2": 200.0, "bloom": 200.0}  # measured 132 / 142 / 121
+PPL_1X_MAX = {"llama": 200.0, "gpt2": 200.0, "bloom": 200.0}  # measured 82 / 142 / 121
 
 
-def perplexity(model, ids: torch.Tensor, length: int, span: int = SPAN) -> float:
-    """exp(mean next-token NLL) over non-overlapping windows of ``length`` tokens in ``ids[:span]``."""
+def perplexity(model, ids: torch.Tensor, length: int, span: int = SPAN, last_quarter: bool = False) -> float:
+    """exp(mean next-token NLL) over non-overlapping windows of ``length`` tokens in ``ids[:span]``; with
+    ``last_quarter``, only the targets in each window's last quarter (the ones with the most context)."""
     windows = ids[: (span // length) * length].view(-1, length)
     nll, count = 0.0, 0
     with torch.inference_mode():
         for window in windows.split(max(1, 2048 // length)):
             logits = model(input_ids=window).logits.float()
-            nll += torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1), window[:, 1:].flatten(), reduction="sum"
-            ).item()
-            count += window[:, 1:].numel()
+            token_nll = torch.nn.functional.cross_entropy(
+                logits[:, :-1].transpose(1, 2), window[:, 1:], reduction="none")
+            if last_quarter:
+                token_nll = token_nll[:, -(length // 4):]
+            nll += token_nll.sum().item()
+            count += token_nll.numel()
     return math.exp(nll / count)
 
 
@@ -59,8 +62,8 @@ def models():
 
 
 @pytest.fixture(scope="module")
-def ppl_256(models, held_out_ids) -> dict[str, float]:
-    return {name: perplexity(model, held_out_ids, TRAIN_LENGTH) for name, model in models.items()}
+def ppl_1x(models, held_out_ids) -> dict[str, float]:
+    return {name: perplexity(model, held_out_ids, train_length(name)) for name, model in models.items()}
 
 
 # ---------------------------------------------------------------------------------------------- loading
@@ -78,7 +81,7 @@ def test_loads_by_name(models, name, cls, length_attr):
     assert 1e6 < sum(p.numel() for p in model.parameters()) < 10e6
     assert model.config.vocab_size == len(reference_tokenizer(name)) == 4096
     if length_attr:
-        assert getattr(model.config, length_attr) == TRAIN_LENGTH
+        assert getattr(model.config, length_attr) == train_length(name)
     assert ctxext.describe(model) is None  # shipped unpatched
 
 
@@ -147,46 +150,66 @@ def test_tokenizers_are_identical():
 
 
 @pytest.mark.parametrize("name", REFERENCE_NAMES)
-def test_language_model_at_training_length(ppl_256, name):
+def test_language_model_at_training_length(ppl_1x, name):
     # A uniform guess over 4096 tokens scores 4096, a unigram model of the training books about 630.
-    assert ppl_256[name] < PPL_256_MAX[name]
+    assert ppl_1x[name] < PPL_1X_MAX[name]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 5 expects >= 3x at 4x; the shipped 400-step LLaMA reference measures 132 at 1x and 146 at 4x "
-    "(1.1x): it extrapolates better than expected. Reported, not tuned away; strict, so a retrained checkpoint "
-    "that meets the expectation turns this into a failure to update.",
-)
-def test_llama_unpatched_degrades_past_training_length(models, held_out_ids, ppl_256):
-    ppl_1024 = perplexity(models["llama"], held_out_ids, 4 * TRAIN_LENGTH)
-    assert ppl_1024 >= 3 * ppl_256["llama"], (ppl_256["llama"], ppl_1024)
+#: Issue 13's targets for the LLaMA reference (trained at 128 with repeated random-token spans, attempt b1 of
+#: benchmarks/reference_training.md), as last-quarter perplexity at 4x over 1x on the held-out book. Measured with
+#: this function on 2026-11-23: unpatched 2.40x; at factor 4: llama3 1.21x, yarn 1.32x, dynamic-ntk 1.38x, pi 1.99x,
+#: ntk 2.10x.
+DEGRADES_AT_4X = 2.0
+BEST_METHOD_AT_4X = 1.3
 
 
-#: A "small factor": patched perplexity at 4x the training length over unpatched perplexity at 1x.
-PATCHED_MAX_RATIO = 2.0
+def _last_quarter_ratio(model, ids) -> float:
+    length = train_length("llama")
+    one = perplexity(model, ids, length, last_quarter=True)
+    return perplexity(model, ids, 4 * length, last_quarter=True) / one
 
 
-@pytest.mark.parametrize("method", ["pi", "ntk", "yarn"])
-def test_llama_patched_holds_at_4x(models, held_out_ids, ppl_256, method):
-    model = models["llama"]
-    with ctxext.patched(model, method, 4):
-        ppl_1024 = perplexity(model, held_out_ids, 4 * TRAIN_LENGTH)
-    assert ppl_1024 <= PATCHED_MAX_RATIO * ppl_256["llama"], (method, ppl_256["llama"], ppl_1024)
+def test_llama_unpatched_degrades_past_training_length(models, held_out_ids):
+    ratio = _last_quarter_ratio(models["llama"], held_out_ids)
+    assert ratio >= DEGRADES_AT_4X, ratio  # measured 2.40
+
+
+def test_llama_best_training_free_method_holds_at_4x(models, held_out_ids):
+    model, length = models["llama"], train_length("llama")
+    one = perplexity(model, held_out_ids, length, last_quarter=True)
+    ratios = {}
+    for method in ("pi", "ntk", "yarn", "llama3", "dynamic-ntk"):
+        with ctxext.patched(model, method, 4):
+            ratios[method] = perplexity(model, held_out_ids, 4 * length, last_quarter=True) / one
+    assert min(ratios.values()) <= BEST_METHOD_AT_4X, ratios  # measured llama3 1.21
     assert ctxext.describe(model) is None
 
 
-def test_gpt2_unpatched_cannot_read_past_training_length(models, held_out_ids, ppl_256):
+#: Whole-window perplexity at 4x over 1x that the frequency-scaling patches stay within (measured: ntk 1.38,
+#: yarn 1.27, llama3 1.16; pi 1.93, which without fine-tuning does not help this model).
+PATCHED_MAX_RATIO = 1.5
+
+
+@pytest.mark.parametrize("method", ["ntk", "yarn", "llama3"])
+def test_llama_patched_holds_at_4x(models, held_out_ids, ppl_1x, method):
+    model = models["llama"]
+    with ctxext.patched(model, method, 4):
+        ppl_4x = perplexity(model, held_out_ids, 4 * train_length("llama"))
+    assert ppl_4x <= PATCHED_MAX_RATIO * ppl_1x["llama"], (method, ppl_1x["llama"], ppl_4x)
+    assert ctxext.describe(model) is None
+
+
+def test_gpt2_unpatched_cannot_read_past_training_length(models, held_out_ids, ppl_1x):
     # 256 rows of learned positions: the sharpest possible degradation is no prediction at all. The GPT-2
     # adapter's table extension is what makes 4x readable (its numbers are in the report).
-    model = models["gpt2"]
+    model, length = models["gpt2"], train_length("gpt2")
     with pytest.raises((IndexError, RuntimeError)):
-        perplexity(model, held_out_ids, 4 * TRAIN_LENGTH)
+        perplexity(model, held_out_ids, 4 * length)
     with ctxext.patched(model, "extrapolate", 4):
-        ppl_1024 = perplexity(model, held_out_ids, 4 * TRAIN_LENGTH)
-    assert math.isfinite(ppl_1024) and ppl_1024 <= PATCHED_MAX_RATIO * ppl_256["gpt2"], (ppl_256["gpt2"], ppl_1024)
+        ppl_4x = perplexity(model, held_out_ids, 4 * length)
+    assert math.isfinite(ppl_4x) and ppl_4x <= 2.0 * ppl_1x["gpt2"], (ppl_1x["gpt2"], ppl_4x)
 
 
-def test_bloom_alibi_degrades_gracefully_unpatched(models, held_out_ids, ppl_256):
-    ppl_1024 = perplexity(models["bloom"], held_out_ids, 4 * TRAIN_LENGTH)
-    assert ppl_1024 <= 1.5 * ppl_256["bloom"], (ppl_256["bloom"], ppl_1024)
+def test_bloom_alibi_degrades_gracefully_unpatched(models, held_out_ids, ppl_1x):
+    ppl_4x = perplexity(models["bloom"], held_out_ids, 4 * train_length("bloom"))
+    assert ppl_4x <= 1.5 * ppl_1x["bloom"], (ppl_1x["bloom"], ppl_4x)

@@ -301,7 +301,7 @@ def _takes_factor(method) -> bool:
 def _jobs(args, demo: bool, device: str, texts):
     """The models to evaluate (one, or the reference models), the texts, and the lengths (None: per model).
     Nothing is loaded: each job holds loaders."""
-    from ..evaluation.demo import demo_jobs, demo_lengths, reference_texts
+    from ..evaluation.demo import demo_jobs, reference_texts
     from ..evaluation.models import load_model, load_tokenizer
     from ..loading import model_skeleton
     from ..evaluation.runner import ModelJob
@@ -309,7 +309,7 @@ def _jobs(args, demo: bool, device: str, texts):
     if demo:
         jobs = demo_jobs(texts, methods=args.methods, factor=args.factor, options=args.option,
                          dtype=args.dtype, device=device)
-        return jobs, jobs[0].texts, args.lengths or demo_lengths()
+        return jobs, jobs[0].texts, args.lengths  # None: each reference model at 1x..8x its own training length
     model_id = args.model
     texts = texts or reference_texts()
     job = ModelJob(

@@ -27,8 +27,9 @@ def reference_texts() -> Texts:
     return Texts([ref.reference_text()], {"data": "ctxext reference held-out book (Jane Austen, Emma)", "format": "bundled", "documents": 1})
 
 
-def demo_lengths() -> list[int]:
-    return [_reference().TRAIN_LENGTH * m for m in DEFAULT_MULTIPLES]
+def demo_lengths(name: str) -> list[int]:
+    """1x..8x the training length of reference model ``name`` (each model is read at its own multiples)."""
+    return [_reference().train_length(name) * m for m in DEFAULT_MULTIPLES]
 
 
 def demo_jobs(texts: Texts | None = None, *, methods: str | None = None, factor: float | None = None,
@@ -51,7 +52,9 @@ def demo_jobs(texts: Texts | None = None, *, methods: str | None = None, factor:
 
     jobs = []
     for name in ref.REFERENCE_NAMES:
-        info: dict[str, Any] = {"model": f"ctxext.reference:{name}", "original_length": ref.TRAIN_LENGTH, "title": f"reference {name} (trained at {ref.TRAIN_LENGTH})"}
+        trained = ref.train_length(name)
+        info: dict[str, Any] = {"model": f"ctxext.reference:{name}", "original_length": trained,
+                                "title": f"reference {name} (trained at {trained})"}
         jobs.append(ModelJob(
             label=name, load_tokenizer=lambda name=name: ref.reference_tokenizer(name), load_model=loader(name),
             load_skeleton=lambda name=name: model_skeleton(str(ref.reference_path(name))),
