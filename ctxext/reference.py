@@ -34,8 +34,6 @@ from typing import Any
 REFERENCE_NAMES: tuple[str, ...] = ("llama", "gpt2", "bloom")
 #: The context length each reference model was trained at (also its config's advertised length).
 TRAIN_LENGTHS: dict[str, int] = {"llama": 128, "gpt2": 256, "bloom": 256}
-#: The length GPT-2 and BLOOM were trained at (kept for code written before the LLaMA reference moved to 128).
-TRAIN_LENGTH = 256
 
 
 def train_length(name: str) -> int:

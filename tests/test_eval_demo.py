@@ -40,7 +40,6 @@ def fake_reference(tmp_path, monkeypatch):
 
     fake = types.ModuleType("ctxext.reference")
     fake.REFERENCE_NAMES = ("llama", "gpt2")
-    fake.TRAIN_LENGTH = TRAIN
     fake.train_length = lambda name: TRAIN
     fake.reference_model = reference_model
     fake.reference_path = reference_path

@@ -27,11 +27,6 @@ def reference_texts() -> Texts:
     return Texts([ref.reference_text()], {"data": "ctxext reference held-out book (Jane Austen, Emma)", "format": "bundled", "documents": 1})
 
 
-def demo_lengths(name: str) -> list[int]:
-    """1x..8x the training length of reference model ``name`` (each model is read at its own multiples)."""
-    return [_reference().train_length(name) * m for m in DEFAULT_MULTIPLES]
-
-
 def demo_jobs(texts: Texts | None = None, *, methods: str | None = None, factor: float | None = None,
               options: list[str] | None = None, dtype: str | None = None, device: str = "cpu") -> list[ModelJob]:
     """One job per reference model (LLaMA / GPT-2 / BLOOM families), each with every method that fits it."""
