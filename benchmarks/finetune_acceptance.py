@@ -3,14 +3,14 @@
 
     python benchmarks/finetune_acceptance.py [--steps-pi N] [--steps-alibi N] [--only pi|alibi|...] [--out DIR]
 
-1. ``recipes/tiny/llama_pi_lora.yaml``: PI x4 + LoRA at 4x the training length (1024 tokens). Expected:
+1. ``recipes/tiny/llama_pi_lora.yaml``: PI x4 + LoRA at 4x the training length (512 tokens). Expected:
    held-out perplexity at 4x below training-free PI's at 4x.
-2. ``recipes/tiny/llama_alibi_lora.yaml``: ALiBi swap + LoRA at 1x (256 tokens). Expected: LoRA recovers
+2. ``recipes/tiny/llama_alibi_lora.yaml``: ALiBi swap + LoRA at 1x (128 tokens). Expected: LoRA recovers
    most of the swap's loss at 1x: (loss_swap - loss_after) / (loss_swap - loss_original) > 0.5, in nats/token.
 
 Optional extras (``--only``): ``yarn``, ``nope``, ``gpt2`` (the other tiny recipes), and ``pose``:
-``recipes/tiny/llama_pi_pose_lora.yaml``, PI x4 + LoRA trained with PoSE on 256-token windows whose positions span
-1024, the same steps as the PI run. Expected: fine-tuned perplexity at 1024 below training-free PI's.
+``recipes/tiny/llama_pi_pose_lora.yaml``, PI x4 + LoRA trained with PoSE on 128-token windows whose positions span
+512, the same steps as the PI run. Expected: fine-tuned perplexity at 512 below training-free PI's.
 ``--time-steps N`` times N training steps of the full-length PI recipe and of the PoSE recipe back to back (same
 machine, same load, no evaluation) and adds seconds per step to the report.
 Writes ``benchmarks/finetune_report.json`` and ``benchmarks/finetune_report.md`` with machine and date.
@@ -33,13 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 RUNS = {
-    "pi": ("recipes/tiny/llama_pi_lora.yaml", "LLaMA reference, PI x4 + LoRA at 1024 tokens (4x)"),
-    "alibi": ("recipes/tiny/llama_alibi_lora.yaml", "LLaMA reference, ALiBi swap + LoRA at 256 tokens (1x)"),
-    "yarn": ("recipes/tiny/llama_yarn_lora.yaml", "LLaMA reference, YaRN x4 + LoRA at 1024 tokens (4x)"),
-    "nope": ("recipes/tiny/llama_nope_lora.yaml", "LLaMA reference, NoPE + LoRA at 256 tokens (1x)"),
+    "pi": ("recipes/tiny/llama_pi_lora.yaml", "LLaMA reference, PI x4 + LoRA at 512 tokens (4x)"),
+    "alibi": ("recipes/tiny/llama_alibi_lora.yaml", "LLaMA reference, ALiBi swap + LoRA at 128 tokens (1x)"),
+    "yarn": ("recipes/tiny/llama_yarn_lora.yaml", "LLaMA reference, YaRN x4 + LoRA at 512 tokens (4x)"),
+    "nope": ("recipes/tiny/llama_nope_lora.yaml", "LLaMA reference, NoPE + LoRA at 128 tokens (1x)"),
     "gpt2": ("recipes/tiny/gpt2_pi_lora.yaml", "GPT-2 reference, PI x4 (table trained) + LoRA at 1024 tokens (4x)"),
     "pose": ("recipes/tiny/llama_pi_pose_lora.yaml",
-             "LLaMA reference, PI x4 + LoRA with PoSE: 256-token windows, positions spanning 1024"),
+             "LLaMA reference, PI x4 + LoRA with PoSE: 128-token windows, positions spanning 512"),
 }
 
 
