@@ -1,8 +1,8 @@
 """The reference checkpoints shipped inside the package, and the held-out book to measure them on.
 
 Three small causal LMs (about 2.6M parameters each, one byte-level BPE tokenizer of 4096 entries)
-pretrained from scratch on five Jane Austen novels, one per positional family, at the context lengths in
-``TRAIN_LENGTHS`` (``train_length(name)``):
+pretrained from scratch on five Jane Austen novels, one per positional family, at the context lengths that
+``training.json`` records (``train_length(name)``):
 
 * ``"llama"``: LlamaForCausalLM, rotary positions (rope_theta 10000, grouped-query attention), trained at 128
   tokens with random-token spans repeated inside its windows, so that it leans on position (issue 13);
@@ -26,19 +26,25 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import json
 import lzma
 from pathlib import Path
 from typing import Any
 
 #: The reference models, one per positional family.
 REFERENCE_NAMES: tuple[str, ...] = ("llama", "gpt2", "bloom")
-#: The context length each reference model was trained at (also its config's advertised length).
-TRAIN_LENGTHS: dict[str, int] = {"llama": 128, "gpt2": 256, "bloom": 256}
 
 
 def train_length(name: str) -> int:
-    """The context length reference model ``name`` was trained at."""
-    return TRAIN_LENGTHS[_check_name(name)]
+    """The context length reference model ``name`` was trained at, as ``training.json`` records it (a model trained
+    apart from the others carries its own ``training`` settings; BLOOM's config has no length field to read)."""
+    record = _training_record()
+    return int(record["models"][_check_name(name)].get("training", record["training"])["length"])
+
+
+@functools.lru_cache(maxsize=1)
+def _training_record() -> dict[str, Any]:
+    return json.loads((_ROOT / "training.json").read_text(encoding="utf-8"))
 
 _ROOT = Path(__file__).resolve().parent / "assets" / "reference"
 _TEXT = "emma.txt.xz"

@@ -94,3 +94,17 @@ def patch_survives_save_and_reload(model, tmp_path, method, factor, ids, unpatch
     ctxext.unpatch(loaded)
     assert torch.equal(loaded(unpatched_ids).logits, unpatched)
     return loaded
+
+
+def pi_table_reference(rows: torch.Tensor, factor: int) -> torch.Tensor:
+    """PI's definition for a learned table, written out: row j = the table at position j / factor, linearly
+    interpolated (the last rows, past position n - 1, hold row n - 1). In float64."""
+    rows = rows.double()
+    n = rows.shape[0]
+    out = []
+    for j in range(n * factor):
+        p = min(j / factor, n - 1)
+        lo = int(p)
+        hi = min(lo + 1, n - 1)
+        out.append(rows[lo] * (1 - (p - lo)) + rows[hi] * (p - lo))
+    return torch.stack(out)

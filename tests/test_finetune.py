@@ -389,12 +389,13 @@ def test_gpt_neo_pi_trains_and_bakes_the_interpolated_table(bases, tmp_path):
     from transformers import GPTNeoConfig, GPTNeoForCausalLM, PreTrainedTokenizerFast
 
     base_dir = tmp_path / "neo"
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(bases["gpt2"])
     torch.manual_seed(0)
-    cfg = GPTNeoConfig(vocab_size=PreTrainedTokenizerFast.from_pretrained(bases["gpt2"]).vocab_size + 2,
-                       hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64, max_position_embeddings=64,
-                       attention_types=[[["global", "local"], 1]], window_size=16, bos_token_id=1, eos_token_id=1)
+    cfg = GPTNeoConfig(vocab_size=len(tokenizer), hidden_size=32, num_layers=2, num_heads=4, intermediate_size=64,
+                       max_position_embeddings=64, attention_types=[[["global", "local"], 1]], window_size=16,
+                       bos_token_id=1, eos_token_id=1)
     GPTNeoForCausalLM(cfg).save_pretrained(base_dir)
-    PreTrainedTokenizerFast.from_pretrained(bases["gpt2"]).save_pretrained(base_dir)
+    tokenizer.save_pretrained(base_dir)
     out = tmp_path / "neo-run"
     r = make(bases, out, model={"name": str(base_dir)}, patch={"method": "pi", "factor": 2},
              lora={"target_modules": ["q_proj", "v_proj"], "trainable": ["wpe"]}, output={"merged": True},

@@ -5,7 +5,9 @@ leave the model untouched, and the native export round trip."""
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +16,9 @@ from transformers import AutoModelForCausalLM, GPTNeoConfig, GPTNeoForCausalLM
 import ctxext
 from ctxext.adapters import find_adapter
 from ctxext.errors import PatchError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from checks import pi_table_reference  # noqa: E402
 
 N, FACTOR, WINDOW = 16, 2, 6  # trained length, patch factor, local-attention window (< N: the local layer bites)
 
@@ -38,21 +43,8 @@ def _masks(m) -> list[torch.Tensor]:
     return [mod._buffers["bias"] for mod in m.modules() if "bias" in getattr(mod, "_buffers", {})]
 
 
-def _pi_table(w: torch.Tensor, factor: int) -> torch.Tensor:
-    """PI's definition for a learned table: row j = the table at position j / factor, linearly interpolated (the
-    last rows, past position n - 1, hold row n - 1)."""
-    n = w.shape[0]
-    rows = []
-    for j in range(n * factor):
-        p = min(j / factor, n - 1)
-        lo = int(p)
-        hi = min(lo + 1, n - 1)
-        rows.append(w[lo] * (1 - (p - lo)) + w[hi] * (p - lo))
-    return torch.stack(rows)
-
-
 REFERENCE_TABLES = {
-    "pi": lambda w: _pi_table(w.double(), FACTOR).float(),
+    "pi": lambda w: pi_table_reference(w, FACTOR).float(),
     "extrapolate": lambda w: torch.cat([w, w[-1:].expand(N * (FACTOR - 1), -1)]),
     "nope": lambda w: torch.zeros(N * FACTOR, w.shape[1]),
 }

@@ -4,7 +4,9 @@ bit-exact, refusals that leave the model untouched, and the native export round 
 
 from __future__ import annotations
 
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +15,9 @@ from transformers import AutoModelForCausalLM
 import ctxext
 from ctxext.census import build_tiny
 from ctxext.errors import PatchError
+
+sys.path.insert(0, str(Path(__file__).parent))
+from checks import pi_table_reference  # noqa: E402
 
 N = 16  # max_position_embeddings of the census' tiny models (checked below)
 MODELS = ("opt", "biogpt", "bart")
@@ -47,16 +52,9 @@ def _logits_with_table(m, table: torch.Tensor, ids: torch.Tensor) -> torch.Tenso
 
 
 def _pi_reference(weight: torch.Tensor, offset: int, factor: int) -> torch.Tensor:
-    """PI from its definition: position j reads the original table at j / factor (linear interpolation)."""
-    rows = weight[offset:].double()
-    n = rows.shape[0]
-    out = []
-    for j in range(n * factor):
-        p = min(j / factor, n - 1)
-        lo = int(p)
-        hi = min(lo + 1, n - 1)
-        out.append(rows[lo] * (1 - (p - lo)) + rows[hi] * (p - lo))
-    return torch.cat([weight[:offset].double(), torch.stack(out)]).to(weight.dtype)
+    """PI from its definition on the position rows (the ``offset`` rows in front kept as they are)."""
+    rows = pi_table_reference(weight[offset:], factor)
+    return torch.cat([weight[:offset].double(), rows]).to(weight.dtype)
 
 
 def test_detected_as_offset_table(model):

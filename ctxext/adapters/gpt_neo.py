@@ -76,9 +76,9 @@ class GPTNeoAdapter(GPT2Adapter):
 
     def position_limit(self, model: nn.Module) -> int | None:
         """The shorter of the position table (none while ``nope`` bypasses it) and the masks."""
+        limits = [holder.bias.shape[-1] for holder, _ in mask_layers(model)]
         table = super().position_limit(model)
-        masks = min((holder.bias.shape[-1] for holder, _ in mask_layers(model)), default=None)
-        return min(x for x in (table, masks) if x is not None) if (table or masks) else None
+        return min(limits + ([table] if table is not None else []), default=None)
 
     def restore_exported(self, model: nn.Module, tensors: dict[str, torch.Tensor], spec: PatchSpec) -> None:
         super().restore_exported(model, tensors, spec)
