@@ -150,6 +150,8 @@ def _rotary_candidates(config: Any, spec: PatchSpec, base: float, dim: int, pres
     4.x ``rope_scaling`` + ``rope_theta`` / ``rotary_emb_base``); each is verified before use. ``preset``: the rope
     type the model ships (a method composed on a scaled one, see ``_composed_updates``)."""
     method = spec.method
+    if method not in (*_NATIVE_ROPE, "ntk", "extrapolate"):  # NoPE, the ALiBi swap, the remap methods
+        raise NoNativeForm(_no_form_reason(spec, "LLaMA-family (rotary)"))
     if preset != "default":
         candidates = []
         params = getattr(config, "rope_parameters", None)
@@ -167,8 +169,6 @@ def _rotary_candidates(config: Any, spec: PatchSpec, base: float, dim: int, pres
                         changes[key] = theta
             candidates.append(changes)
         return candidates
-    if method not in (*_NATIVE_ROPE, "ntk", "extrapolate"):
-        raise NoNativeForm(_no_form_reason(spec, "LLaMA-family (rotary)"))
     length = spec.original_length if method == "dynamic-ntk" else spec.patched_length
     new_base = base * spec.factor ** (dim / (dim - 2)) if method == "ntk" else None
     candidates = []

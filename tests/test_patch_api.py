@@ -150,11 +150,12 @@ def test_model_without_positional_surface():
         ctxext.patch(_NoPositions(), "pi", 2)
 
 
-def test_a_method_that_does_not_compose_on_a_scaled_rope_type_is_refused(ids):
-    """Scaling methods compose on a shipped scaled rope type (tests/test_scaled_rope.py); NoPE does not."""
-    model = tiny_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0})
+def test_a_rope_type_a_method_cannot_compose_on_is_refused(ids):
+    """Methods compose on a shipped static scaled rope type (tests/test_scaled_rope.py); a dynamic one rescales
+    itself in every forward, so NoPE's zero frequencies would be overwritten: refused, the model unchanged."""
+    model = tiny_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0})
     logits = model(ids).logits
-    with pytest.raises(PatchError, match="already uses transformers rope_type 'linear'; method 'nope'"):
+    with pytest.raises(PatchError, match="rope_type 'dynamic', which recomputes its frequencies"):
         ctxext.patch(model, "nope")
     assert torch.equal(model(ids).logits, logits)
 

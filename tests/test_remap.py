@@ -106,6 +106,7 @@ class Dense:
     factor = None
     options: dict = {}
     inv_freq: torch.Tensor | None = None
+    scale: float = 1.0  # the rotary module's attention_scaling: q and k each multiplied by it (YaRN's temperature)
 
     @classmethod
     def forward(cls, module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
@@ -130,7 +131,7 @@ class Dense:
         scores = torch.einsum("bhid,ijd,bhjd->bhij", qr, cos, kr) + torch.einsum("bhid,ijd,bhjd->bhij", q_half, sin,
                                                                                   kr)
         scores = scores + torch.einsum("bhid,bhjd->bhij", qp, kp)
-        scores = scores * scaling
+        scores = scores * scaling * cls.scale**2
         keep = visible & (j <= i)
         scores = scores.masked_fill(~keep, -math.inf)
         out = torch.softmax(scores, -1) @ value
@@ -152,7 +153,8 @@ def dense_logits(model, method, factor, options, ids):
     """Logits of the paper's definition: the patched model (rotary off) with the dense attention swapped in."""
     pmap = build_map(method, L0, factor, **options)
     Dense.method, Dense.factor, Dense.options = method, factor, dict(pmap.options)
-    Dense.inv_freq = next(m for m in model.modules() if hasattr(m, "original_inv_freq")).original_inv_freq.clone()
+    rotary = next(m for m in model.modules() if hasattr(m, "original_inv_freq"))
+    Dense.inv_freq, Dense.scale = rotary.original_inv_freq.clone(), float(rotary.attention_scaling)
     restore = apply_remap(model, method, factor, options)
     back = use_attention(model, Dense.name)
     try:
@@ -434,6 +436,44 @@ def test_three_rotation_maps(monkeypatch, strategy):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+# ------------------------------------------------------------- models that ship scaled RoPE (static rope types)
+
+#: Llama 3.1-style llama3, Qwen2.5-style yarn (attention factor 1 + 0.1 ln 4) and a linear x2 config
+SHIPPED = {
+    "linear": {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 500.0},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16, "rope_theta": 500.0},
+}
+
+
+@pytest.mark.parametrize("preset", sorted(SHIPPED))
+@pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, REROPE, LM_INFINITE, STRING, DCA],
+                         ids=["self-extend", "rerope", "lm-infinite", "string", "dca"])
+def test_on_a_shipped_scaled_rope_matches_the_dense_reference_with_the_models_rotation(preset, method, factor,
+                                                                                       options):
+    """The remap keeps the model's own rotation: the frequencies transformers built for its rope type and its
+    attention factor, applied at the paper's relative positions (advertised max_position_embeddings = 64 as the
+    original length)."""
+    model = _llama(rope_parameters=SHIPPED[preset])
+    ids = _ids(200)
+    want = dense_logits(model, method, factor, options, ids)
+    got = remap_logits(model, method, factor, options, ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        assert (got - model(ids).logits).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("preset", sorted(SHIPPED))
+def test_identity_settings_on_a_shipped_scaled_rope_equal_transformers_own_rope_type(preset):
+    model = _llama(rope_parameters=SHIPPED[preset])
+    for method, factor, options in IDENTITY:
+        ids = _ids(150, seed=7)
+        with torch.no_grad():
+            want = model(ids).logits
+        torch.testing.assert_close(remap_logits(model, method, factor, options, ids), want, atol=1e-5, rtol=0)
+
+
 BAD = [
     ("self-extend", 8, {"group": 0}, r"'group'.*>= 1"),
     ("self-extend", 8, {"window": 0}, r"'window'.*>= 1"),
@@ -472,8 +512,8 @@ def test_models_it_cannot_serve_are_refused():
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=48, n_layer=1, n_head=4, n_positions=32))
     with pytest.raises(PatchError, match="no rotary module"):
         check_remap(gpt2, "rerope", 4, {})
-    with pytest.raises(PatchError, match="rope_type 'linear'"):
-        check_remap(_llama(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}),
+    with pytest.raises(PatchError, match="rope_type 'dynamic'"):
+        check_remap(_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0}),
                     "rerope", 4, {})
     with pytest.raises(PatchError, match="soft-caps"):
         check_remap(_llama(attn_logit_softcapping=30.0), "self-extend", 4, {})

@@ -1,6 +1,7 @@
 """Models that ship scaled RoPE (transformers rope types linear, yarn, llama3, longrope): ctxext's methods compose on
 the frequencies the model actually uses, with the advertised length (max_position_embeddings) as the original one;
-dynamic rope types, and methods that replace the rotation instead of scaling it, are refused before anything
+methods that replace the rotation (NoPE, the ALiBi swap) or remap its positions keep the shipped rotation on the static
+types (linear, yarn, llama3); dynamic rope types, and those methods on longrope, are refused before anything
 changes."""
 
 from __future__ import annotations
@@ -297,10 +298,64 @@ def test_dynamic_ntk_on_longrope_is_refused():
     _refused(model, "dynamic-ntk", 2, "switches its frequencies by sequence length itself")
 
 
+@needs_longrope
 @pytest.mark.parametrize("method,factor", [("nope", None), ("alibi", None), ("self-extend", 2), ("rerope", 2)])
-def test_methods_that_replace_the_rotation_are_refused_on_a_scaled_rope(method, factor):
-    model = scaled("llama3")
-    _refused(model, method, factor, "already uses transformers rope_type 'llama3'")
+def test_methods_that_replace_the_rotation_are_refused_on_longrope(method, factor):
+    """longrope switches between two frequency sets by length: there is no one rotation to keep."""
+    _refused(tiny_phi3(), method, factor, "switches between a short and a long frequency set")
+
+
+# -- methods that replace or remap the rotation, on static scaled types --------------------------------------------
+
+ROTATION_CELLS = [(p, m, f) for p in LLAMA_PRESETS
+                  for m, f in (("nope", None), ("alibi", None), ("self-extend", 3), ("dca", 3), ("rerope", 3))]
+
+
+@pytest.mark.parametrize("preset,method,factor", ROTATION_CELLS)
+def test_rotation_methods_change_logits_past_the_length_and_unpatch_is_bit_exact(preset, method, factor):
+    model = scaled(preset)
+    ids = _ids()
+    state, before = _rotary_state(model), model(ids).logits
+    ctxext.patch(model, method, factor)
+    after = model(ids).logits
+    assert (after[0, L0:] - before[0, L0:]).abs().max() > 1e-4
+    ctxext.unpatch(model)
+    assert _same_state(_rotary_state(model), state)
+    assert torch.equal(model(ids).logits, before)
+
+
+@pytest.mark.parametrize("preset,method,factor", ROTATION_CELLS)
+def test_rotation_methods_on_a_scaled_rope_decode_with_the_cache_as_a_full_forward(preset, method, factor):
+    model = scaled(preset)
+    ctxext.patch(model, method, factor)
+    generate_equals_full_forward(model, prompt_len=70, new=6)
+
+
+@pytest.mark.parametrize("preset", sorted(LLAMA_PRESETS))
+@pytest.mark.parametrize("method", ["nope", "alibi"])
+def test_nope_and_alibi_on_a_scaled_rope_drop_its_rotation_and_keep_its_attention_factor(preset, method):
+    """With the rotation gone, a model that ships a scaled rope type is the same weights with plain RoPE, except
+    for the shipped attention factor (YaRN's logit temperature), which stays: the plain model with q and k each
+    multiplied by it."""
+    model = scaled(preset)
+    factor = model.model.rotary_emb.attention_scaling
+    plain = tiny_llama(0)
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        for layer in plain.model.layers:
+            layer.self_attn.q_proj.weight.mul_(factor)
+            layer.self_attn.k_proj.weight.mul_(factor)
+    ids = _ids()
+    ctxext.patch(model, method)
+    ctxext.patch(plain, method)
+    torch.testing.assert_close(model(ids).logits, plain(ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("preset,method,factor", [("yarn", "self-extend", 3), ("llama3", "nope", None)])
+def test_rotation_methods_on_a_scaled_rope_survive_save_and_refuse_a_plain_load(tmp_path, preset, method, factor):
+    from checks import patch_survives_save_and_reload
+
+    patch_survives_save_and_reload(scaled(preset), tmp_path, method, factor, _ids(100))
 
 
 def test_a_rotary_module_that_does_not_match_its_rope_type_is_refused():

@@ -7,7 +7,9 @@ The integration surface for the registry and the rotary adapter:
   resolved by ``ctxext.methods.remap`` from the original length and the factor.
 - ``check_remap(model, method, factor, options, original_length=None)``: raises ``PatchError`` before anything is
   touched (bad options, a model that is not rotary, a rotary variant this cannot rotate, attention features the
-  function would drop: soft-capping, sliding windows, sinks, several rotary modules, multimodal rope).
+  function would drop: soft-capping, sliding windows, sinks, several rotary modules, multimodal rope). A model that
+  ships a static scaled rope type (``linear``, ``yarn``, ``llama3``) keeps its rotation: the remapped positions are
+  rotated with its shipped frequencies and attention factor.
 - ``apply_remap(model, method, factor, options, original_length=None) -> restore``: identity-rotates the rotary
   modules, stashes a ``RemapState`` on every attention module, switches the attention to ``ctxext_remap``;
   ``restore()`` puts everything back bit-exactly.
@@ -27,7 +29,7 @@ from ..methods import nope
 from ..methods.remap import REMAP_METHODS, PositionMap, build_map
 from ..remap_attention import REMAP, STATE_ATTR, RemapState
 from .base import Restore, run_all
-from .rotary_units import _saver, rope_inputs, rotary_modules
+from .rotary_units import RotaryUnit, _saver, rotary_modules, unit_inputs
 
 def _original_length(model: nn.Module, original_length: int | None) -> int:
     if original_length is not None:
@@ -94,14 +96,12 @@ def check_remap(model: nn.Module, method: str, factor: float | None, options: di
     length = _original_length(model, original_length)
     options = {k: v for k, v in options.items() if v is not None}
     pmap = build_map(method, length, factor, **options)
-    frequencies = []
-    for name, module in modules:
-        inputs = rope_inputs(name, module, length)  # PatchError for non-default rope types / unknown variants
-        if float(module.attention_scaling) != 1.0:
-            raise PatchError(f"rotary module {name or '<root>'} has attention_scaling {module.attention_scaling}; "
-                             "ctxext remaps plain RoPE only")
-        frequencies.append(inputs.inv_freq)
-    if any(not torch.equal(frequencies[0], f) for f in frequencies[1:]):
+    # the rotation the model applies: plain RoPE, or the frequencies and attention factor of a static scaled rope
+    # type it ships (PatchError for dynamic / longrope types and unknown variants)
+    inputs = [_rotation(name, module, length, method) for name, module in modules]
+    frequencies = [i.inv_freq for i in inputs]
+    if any(not torch.equal(frequencies[0], f) for f in frequencies[1:]) or \
+            len({i.attention_scaling for i in inputs}) > 1:
         raise PatchError(f"{type(model).__name__} has rotary modules with different frequencies (per layer type); "
                          "the position-remapping attention uses one set: refused")
     reason = can_use_attention(model)
@@ -142,12 +142,11 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
     undo: list[Restore] = []
     try:
         modules = rotary_modules(model)
-        name, first = modules[0]
-        inv_freq = rope_inputs(name, first, length).inv_freq.float().clone()
-        scaling = float(first.attention_scaling)
+        shipped = _rotation(*modules[0], length, method)
+        inv_freq, scaling = shipped.inv_freq.float().clone(), float(shipped.attention_scaling)
         for name, module in modules:
             undo.append(_saver(module))
-            zeros, factor_one = nope.identity_rotation(rope_inputs(name, module, length))
+            zeros, factor_one = nope.identity_rotation(_rotation(name, module, length, method))
             with torch.no_grad():
                 module.inv_freq.copy_(zeros)
             module.attention_scaling = factor_one
@@ -159,6 +158,11 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
         run_all(undo)
         raise
     return functools.partial(run_all, undo)
+
+
+def _rotation(name: str, module: nn.Module, length: int, method: str):
+    """The frequencies and attention factor the module applies (``unit_inputs``), which the remap keeps."""
+    return unit_inputs(RotaryUnit(name, module), length, method)
 
 
 def _drop_state(module: nn.Module) -> None:

@@ -9,9 +9,10 @@ Models that ship scaled RoPE (rope types ``linear``, ``yarn``, ``llama3``, ``lon
 its YaRN config, Phi-3 ...): the scaling methods (``COMPOSE_METHODS``) compose on the frequencies the module uses,
 with the advertised ``max_position_embeddings`` as the original length (``unit_inputs``); the attention factor is
 the shipped one times the method's. ``longrope`` switches between a short and a long set by sequence length in
-every forward; the method rewrites the long set (``long_inv_freq``) and the switch stays. ``dynamic`` rope types
-recompute ``inv_freq`` in every forward and are refused, as are the methods that replace the rotation (NoPE, the
-ALiBi swap, the attention-remap methods) on any scaled type.
+every forward; the method rewrites the long set (``long_inv_freq``) and the switch stays. The methods that replace
+the rotation (NoPE, the ALiBi swap) or remap its positions (the attention-remap methods) keep the model's own rotation
+on the static types (``linear``, ``yarn``, ``llama3``): its frequencies and attention factor. ``dynamic`` rope types
+recompute ``inv_freq`` in every forward and are refused, as are those methods on ``longrope``.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from torch import nn
 
 from ..errors import PatchError
 from ..methods import rope
+from ..methods.remap import REMAP_METHODS
 from .base import Restore
 
 
@@ -116,11 +117,6 @@ def _rope_thetas(module: nn.Module) -> list[float]:
     return [float(t) for t in found if _is_number(t) and t > 0]
 
 
-def rope_inputs(name: str, module: nn.Module, original_length: int) -> rope.RopeInputs:
-    """The frequencies a plain rotary module started from (``unit_inputs`` for any ``RotaryUnit``)."""
-    return unit_inputs(RotaryUnit(name, module), original_length)
-
-
 def _rotary_output(unit: RotaryUnit, start: int = 1) -> torch.Tensor:
     inv_freq = unit.inv_freq
     x = torch.zeros(1, 2, 2 * inv_freq.numel(), dtype=torch.float32, device=inv_freq.device)
@@ -209,6 +205,10 @@ def unread_surface(unit: RotaryUnit) -> str | None:
 #: ``dynamic`` types recompute their frequencies from the sequence length in every forward, so they are refused.
 COMPOSE_PRESETS = ("linear", "yarn", "llama3", "longrope")
 COMPOSE_METHODS = ("pi", "ntk", "yarn", "llama3", "extrapolate", "dynamic-ntk")
+#: Methods that replace the rotation (NoPE, the ALiBi swap) or remap the positions it is applied at (the attention
+#: remap methods). On a static scaled type they keep the model's own rotation: its shipped frequencies and attention
+#: factor, at the remapped positions (NoPE / ALiBi: at none, the attention factor kept as a logit temperature).
+ROTATION_METHODS = ("nope", "alibi", *REMAP_METHODS)
 
 
 def preset_refusal(kind: str, method: str | None) -> str | None:
@@ -225,10 +225,15 @@ def preset_refusal(kind: str, method: str | None) -> str | None:
     if method is None:
         return (f"already uses transformers rope_type {kind!r}; this ctxext path starts from plain RoPE. Load the "
                 "model with rope_parameters rope_type='default' to use it")
-    if method not in COMPOSE_METHODS:
-        return (f"already uses transformers rope_type {kind!r}; method {method!r} replaces the rotary positions "
-                f"rather than scaling them and is not defined on a shipped scaled RoPE (methods that compose on it: "
-                f"{', '.join(COMPOSE_METHODS)}); load the model with rope_parameters rope_type='default' to use it")
+    if method in ROTATION_METHODS and kind == "longrope":
+        return (f"already uses transformers rope_type 'longrope', which switches between a short and a long frequency "
+                f"set by sequence length in every forward; method {method!r} replaces or remaps one rotation and "
+                "has none to keep there (methods that compose on it: "
+                f"{', '.join(m for m in COMPOSE_METHODS if m != 'dynamic-ntk')}); load the model with "
+                "rope_parameters rope_type='default' to use it")
+    if method not in COMPOSE_METHODS and method not in ROTATION_METHODS:
+        return (f"already uses transformers rope_type {kind!r}; ctxext does not know how method {method!r} composes "
+                f"on it (methods that do: {', '.join(COMPOSE_METHODS + ROTATION_METHODS)})")
     if kind == "longrope" and method == "dynamic-ntk":
         return ("already uses transformers rope_type 'longrope', which switches its frequencies by sequence length "
                 "itself; dynamic-ntk would be overwritten by that switch (use a static method: "
