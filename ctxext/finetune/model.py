@@ -11,9 +11,7 @@ import torch
 from torch import nn
 
 from ..errors import PatchError
-from .config import LoraConfig, ModelConfig, Recipe, RecipeError
-
-REFERENCE_PREFIX = "reference:"
+from .config import REFERENCE_PREFIX, LoraConfig, ModelConfig, Recipe, RecipeError
 
 
 def _dtype(name: str):
@@ -24,16 +22,13 @@ def reference_dir(name: str) -> Path:
     """Folder of a shipped reference checkpoint (``reference:llama`` -> ctxext/assets/reference/llama)."""
     from .. import reference
 
-    names = getattr(reference, "REFERENCE_NAMES", ())
-    if names and name not in names:
+    try:
+        return reference.reference_path(name)
+    except ValueError:
         raise RecipeError(f"model.name: unknown reference checkpoint {name!r}; choose one of "
-                          + ", ".join(f"{REFERENCE_PREFIX}{n}" for n in names))
-    finder = getattr(reference, "reference_path", None) or getattr(reference, "reference_dir", None)
-    package = Path(__file__).resolve().parents[1]
-    path = Path(finder(name)) if callable(finder) else package / "assets" / "reference" / name
-    if not (path / "config.json").exists():
-        raise RecipeError(f"model.name: reference checkpoint {name!r} not found at {path}")
-    return path
+                          + ", ".join(f"{REFERENCE_PREFIX}{n}" for n in reference.REFERENCE_NAMES)) from None
+    except FileNotFoundError as exc:
+        raise RecipeError(f"model.name: {exc}") from None
 
 
 def model_source(cfg: ModelConfig) -> str:
