@@ -55,7 +55,7 @@ MUST_PATCH = {
     "refused": [],
     # static scaled rope types: the scaling methods compose on them, the rest keep the shipped rotation
     "scaled": ["pi", "ntk", "dynamic-ntk", "yarn", "llama3", "extrapolate", "alibi", "nope", "self-extend", "dca",
-               "rerope", "lm-infinite", "string"],
+               "rerope", "lm-infinite", "streaming-llm", "string"],
     # longrope switches its own frequencies by length: no dynamic-ntk; 4.x / 5.0-5.12 recompute the long set
     # from the config in every forward, so every method is refused there
     "longrope": ["pi", "ntk", "yarn", "llama3", "extrapolate"] if LONGROPE else [],

@@ -37,6 +37,7 @@ METHODS = [
     ("rerope", 4, {}),  # clipped, log-scaled queries
     ("rerope", 4, {"leaky": 4.0, "window": 24}),
     ("lm-infinite", 4, {"window": 40, "global_tokens": 5}),
+    ("streaming-llm", 4, {"sinks": 4, "window": 36}),
     ("string", None, {"shift": 40, "local": 8}),
     ("dca", 4, {}),
     ("dca", 4, {"chunk_size": 40, "local_window": 0}),

@@ -1,4 +1,4 @@
-"""Attention-side position remapping (self-extend, dca, rerope, lm-infinite, string): the ``ctxext_remap`` attention
+"""Attention-side position remapping (self-extend, dca, rerope, lm-infinite, streaming-llm, string): the ``ctxext_remap`` attention
 against a dense reference written from each paper's definition, identity settings, cached decoding, padded
 batches, exact restore and bad input.
 
@@ -71,6 +71,12 @@ def paper_relative(method: str, factor, options: dict, i: torch.Tensor, j: torch
         w, n = options["window"], options["global_tokens"]
         near = d < w
         return torch.where(near, d, torch.full_like(d, float(L0))), near | (j < n)
+    if method == "streaming-llm":  # the cache: n sinks + the w most recent tokens, positions = place in the cache
+        n, w = options["sinks"], options["window"]
+        cache = n + w
+        full = i < cache  # nothing evicted yet: the unpatched model
+        recent = d < w  # consecutive in the cache, ending at the query (cache position cache - 1)
+        return torch.where(full | recent, d, (cache - 1 - j).double()), full | recent | (j < n)
     if method == "string":
         s, w = options["shift"], options["local"]
         return torch.where(d < s, d, d - s + w), torch.ones_like(d, dtype=torch.bool)
@@ -188,9 +194,12 @@ CASES = [
     ("dca", 4, {}),  # the paper's defaults: chunk 3/4 x 64 = 48, local window 64 - 48 = 16
     ("dca", 8, {"chunk_size": 20, "local_window": 7}),  # 10 chunks at 200 tokens, window below c - s
     ("dca", None, {"chunk_size": 24, "local_window": 0}),  # no successive-chunk attention (intra + inter only)
+    ("streaming-llm", 8, {"sinks": 4, "window": 28}),  # cache of 32 < 64: evicts within the trained length too
+    ("streaming-llm", 8, {}),  # the default cache: the original length (4 sinks + 60 recent)
 ]
 #: by method, for the tests that take one case each
-SELF_EXTEND, REROPE, LEAKY_REROPE, LM_INFINITE, STRING, DCA, DCA_SMALL = (CASES[i] for i in (0, 2, 3, 4, 5, 6, 7))
+SELF_EXTEND, REROPE, LEAKY_REROPE, LM_INFINITE, STRING, DCA, DCA_SMALL, STREAMING = (CASES[i] for i in
+                                                                                  (0, 2, 3, 4, 5, 6, 7, 9))
 
 
 @pytest.mark.parametrize("arch", sorted(MODELS))
@@ -230,6 +239,7 @@ IDENTITY = [
     ("rerope", 8, {"window": 16, "leaky": 1.0, "log_scale": False}),
     ("lm-infinite", 8, {"window": 512}),
     ("string", 8, {"shift": 0}),
+    ("streaming-llm", 8, {"window": 512}),
 ]
 
 
@@ -255,8 +265,9 @@ def test_within_the_window_is_the_unpatched_model():
 
 
 @pytest.mark.parametrize("method,factor,options",
-                         [SELF_EXTEND, REROPE, LM_INFINITE, LEAKY_REROPE, STRING, DCA, DCA_SMALL],
-                         ids=["self-extend", "rerope", "lm-infinite", "leaky-rerope", "string", "dca", "dca-small"])
+                         [SELF_EXTEND, REROPE, LM_INFINITE, LEAKY_REROPE, STRING, DCA, DCA_SMALL, STREAMING],
+                         ids=["self-extend", "rerope", "lm-infinite", "leaky-rerope", "string", "dca", "dca-small",
+                              "streaming-llm"])
 def test_cached_generate_equals_full_forward(method, factor, options):
     """Past the original length (64) and past every window: prefill 90 tokens, decode 30 more with the cache."""
     from checks import generate_equals_full_forward
@@ -270,8 +281,8 @@ def test_cached_generate_equals_full_forward(method, factor, options):
         restore()
 
 
-@pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, REROPE, LM_INFINITE, STRING, DCA_SMALL],
-                         ids=["self-extend", "rerope", "lm-infinite", "string", "dca"])
+@pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, REROPE, LM_INFINITE, STRING, DCA_SMALL, STREAMING],
+                         ids=["self-extend", "rerope", "lm-infinite", "string", "dca", "streaming-llm"])
 def test_padded_batch_equals_single_rows(method, factor, options):
     from checks import padded_batch_equals_single_rows
 
@@ -322,7 +333,8 @@ def test_defaults_follow_the_factor():
     assert build_map("dca", 4096).options == build_map("dca", 4096, 32).options  # DCA reaches any length
     assert build_map("dca", 4096, 4, chunk_size=1024).options == {"chunk_size": 1024, "local_window": 1024}
     assert build_map("dca", 4096, 4, chunk_size=3000).options == {"chunk_size": 3000, "local_window": 1096}
-    assert set(REMAP_METHODS) == {"self-extend", "dca", "rerope", "lm-infinite", "string"}
+    assert build_map("streaming-llm", 4096, 4).options == {"sinks": 4, "window": 4092}  # a cache of 4096
+    assert set(REMAP_METHODS) == {"self-extend", "dca", "rerope", "lm-infinite", "streaming-llm", "string"}
     assert all(not m.needs_factor for m in REMAP_METHODS.values())
 
 

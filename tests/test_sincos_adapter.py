@@ -41,7 +41,7 @@ def tiny_codegen(seed: int = 0):
 
 MODELS = {"gptj": tiny_gptj, "codegen": tiny_codegen}
 SUPPORTED = ["pi", "ntk", "yarn", "llama3", "nope", "extrapolate"]
-REFUSED = ["dynamic-ntk", "alibi", "self-extend", "dca", "rerope", "lm-infinite", "string"]
+REFUSED = ["dynamic-ntk", "alibi", "self-extend", "dca", "rerope", "lm-infinite", "streaming-llm", "string"]
 
 
 def _ids(length: int, seed: int = 3) -> torch.Tensor:

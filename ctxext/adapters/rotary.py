@@ -182,6 +182,7 @@ class RotaryAdapter(Adapter):
         "dca": "yes: chunked positions (intra / successive / inter-chunk)",
         "rerope": "yes: distance clipped at a window",
         "lm-infinite": "yes: Lambda mask + distance cap",
+        "streaming-llm": "yes: sink tokens + recent window, positions in the cache",
         "string": "yes: large distances shifted down",
     }
 

@@ -1,4 +1,5 @@
-"""Attention-side position remapping as pure position maps: Self-Extend, DCA, ReRoPE, LM-Infinite, STRING.
+"""Attention-side position remapping as pure position maps: Self-Extend, DCA, ReRoPE, LM-Infinite, StreamingLLM,
+STRING.
 
 A rotary model scores a query at position i against a key at position j with ``R(i) q . R(j) k``, which only
 depends on the relative position ``i - j``. The training-free methods here change which relative position each
@@ -338,6 +339,36 @@ def lm_infinite(original_length: int, factor: float | None = None, global_tokens
     return PositionMap(method, (IDENTITY, far), select, window, None, options)
 
 
+def streaming_llm(original_length: int, factor: float | None = None, sinks: int = 4,
+                  window: int | None = None) -> PositionMap:
+    """StreamingLLM (Xiao et al. 2023, "Efficient Streaming Language Models with Attention Sinks";
+    mit-han-lab/streaming-llm): a KV cache of ``sinks`` first tokens plus the ``window`` most recent ones (the query's
+    own token included), with positions given by place in the cache, not in the text.
+
+    While the sequence fits the cache (query position i < sinks + window) it is the unpatched model. Past it a query
+    sees the keys within ``window`` at their true distance (the recent keys are consecutive in the cache, ending at
+    the query) and the sink tokens at their distance in the cache, ``sinks + window - 1 - j`` (query rotated to the
+    last cache position, keys at their own); everything else has been evicted (masked). Default window: the original
+    length minus ``sinks``, so the whole cache sits within the trained positions (the paper's cache sizes are the
+    pre-trained window or less).
+    """
+    method = "streaming-llm"
+    target = target_length(original_length, factor)
+    sinks = _int(method, "sinks", sinks, minimum=0)
+    window = max(1, original_length - sinks) if window is None else _int(method, "window", window)
+    cache = sinks + window
+    _larger_than_needed(method, "window", window, target, "no key is ever evicted")
+    options = {"sinks": sinks, "window": window}
+    last = cache - 1
+    far = Rotation(query=lambda i: torch.clamp(i, max=last), key=_same)
+
+    def select(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
+        kept = ((i - j) < window) | (i < cache)
+        return torch.where(kept, 0, torch.where(j < sinks, 1, -1)).to(torch.int8)
+
+    return PositionMap(method, (IDENTITY, far), select, window, None, options, plain_below=cache)
+
+
 # ------------------------------------------------------------------------------------------------------ STRING
 
 
@@ -392,6 +423,7 @@ MAPS: dict[str, Callable[..., PositionMap]] = {
     "dca": dca,
     "rerope": rerope,
     "lm-infinite": lm_infinite,
+    "streaming-llm": streaming_llm,
     "string": string,
 }
 
@@ -420,6 +452,7 @@ __all__ = [
     "lm_infinite",
     "rerope",
     "self_extend",
+    "streaming_llm",
     "string",
     "suggest_self_extend",
     "target_length",
@@ -482,6 +515,18 @@ REMAP_METHODS: dict[str, Method] = {
             options={
                 "global_tokens": Option(10, int, "first tokens every query attends to"),
                 "window": Option(None, int, "local window; default the original length", optional=True),
+            },
+        ),
+        Method(
+            "streaming-llm",
+            "StreamingLLM: a cache of attention-sink first tokens + a recent window, positions by place in the cache "
+            "(factor optional: the length to advertise)",
+            needs_factor=False,
+            scales_with_factor=True,
+            options={
+                "sinks": Option(4, int, "first tokens kept (attention sinks)"),
+                "window": Option(None, int, "recent tokens kept, the query's own included; default the original "
+                                 "length minus sinks", optional=True),
             },
         ),
         Method(
