@@ -9,8 +9,9 @@ The model's rotary modules are turned into identity rotations (``ctxext.adapters
 function receives *un-rotated* queries and keys and the KV cache holds un-rotated keys. At patch time each
 attention module gets a ``RemapState`` (attribute ``_ctxext_remap``): the method's ``PositionMap`` and the
 rotary frequencies and ``attention_scaling`` the model had. The function rotates q and k itself, per rotation of
-the map (LLaMA / NeoX ``rotate_half`` convention; with partial rotary only the first ``2 * len(inv_freq)`` dims
-of each head are rotated, as GPT-NeoX does), and takes the exact softmax over the merged scores.
+the map, in the model's layout (LLaMA / NeoX ``rotate_half``, or GLM / ERNIE 4.5 pairs of neighbours; with partial
+rotary only the first ``2 * len(inv_freq)`` dims of each head are rotated, as GPT-NeoX and GLM do), and takes the
+exact softmax over the merged scores.
 
 Positions. Queries take ``position_ids`` from the attention kwargs (transformers passes them). Keys are the cache
 slots: the queries are the last ``q_len`` of the ``kv_len`` keys (a full pass, or a dynamic cache), except that
@@ -65,6 +66,9 @@ class RemapState:
     map: PositionMap
     inv_freq: torch.Tensor  # the original rotary frequencies, float32, (rotary_dim / 2,)
     attention_scaling: float = 1.0
+    #: how the model's attention pairs the rotated dims: "half" (rotate_half: Llama, NeoX) or "interleaved"
+    #: (every two: GLM, ERNIE 4.5, Cohere), as ``ctxext.adapters.rotary_units.rotation_layout`` reads it
+    layout: str = "half"
     _on_device: dict = field(default_factory=dict, repr=False)
 
     def frequencies(self, device: torch.device) -> torch.Tensor:
@@ -79,19 +83,28 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+def _rotate_every_two(x: torch.Tensor) -> torch.Tensor:
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
+def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0,
+           layout: str = "half") -> torch.Tensor:
     """RoPE of ``x`` (batch, heads, n, head_dim) at ``positions`` (batch or 1, n), computed as transformers' rotary
     modules and ``apply_rotary_pos_emb`` do (float32 angles, cos/sin times ``scale`` cast to x's dtype); only the
-    first ``2 * len(inv_freq)`` dims are rotated (partial rotary)."""
+    first ``2 * len(inv_freq)`` dims are rotated (partial rotary). ``layout``: frequency i turns dims (i, i + d/2)
+    ("half") or (2i, 2i + 1) ("interleaved")."""
     rotary = 2 * inv_freq.numel()
     freqs = positions[..., None].float() * inv_freq
-    emb = torch.cat((freqs, freqs), dim=-1)
+    if layout == "interleaved":
+        emb, turn = freqs.repeat_interleave(2, dim=-1), _rotate_every_two
+    else:
+        emb, turn = torch.cat((freqs, freqs), dim=-1), _rotate_half
     cos = (emb.cos() * scale).to(x.dtype)[:, None]
     sin = (emb.sin() * scale).to(x.dtype)[:, None]
     if rotary == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
+        return x * cos + turn(x) * sin
     part = x[..., :rotary]
-    return torch.cat((part * cos + _rotate_half(part) * sin, x[..., rotary:]), dim=-1)
+    return torch.cat((part * cos + turn(part) * sin, x[..., rotary:]), dim=-1)
 
 
 def _positions(query, attention_mask, q_len, kv_len, kwargs):
@@ -184,8 +197,8 @@ def remap_attention_forward(
     if farthest < pmap.near or (q_len and int(qpos.amax()) < pmap.plain_below):
         return sdpa_attention_forward(
             module,
-            rotate(query, qpos, inv_freq, att),
-            rotate(key, kpos, inv_freq, att),
+            rotate(query, qpos, inv_freq, att, state.layout),
+            rotate(key, kpos, inv_freq, att, state.layout),
             value,
             attention_mask,
             dropout=dropout,
@@ -195,8 +208,8 @@ def remap_attention_forward(
         )
 
     rotations = pmap.rotations
-    keys = [rotate(key, r.key(kpos), inv_freq, att) for r in rotations]
-    queries = [rotate(query, r.query(qpos), inv_freq, att) for r in rotations]
+    keys = [rotate(key, r.key(kpos), inv_freq, att, state.layout) for r in rotations]
+    queries = [rotate(query, r.query(qpos), inv_freq, att, state.layout) for r in rotations]
     mask = None if attention_mask is None else _as_bool(attention_mask)[:, 0]  # (B or 1, q_len, kv_len)
     if use_flex(query, dropout, key, value):  # a long prefill / full pass on CUDA: one block-sparse flex call
         raw = None if attention_mask is None else attention_mask[:, 0]  # its identity lets layers share a block mask

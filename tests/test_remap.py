@@ -50,7 +50,22 @@ def _neox(**overrides):
     return GPTNeoXForCausalLM(GPTNeoXConfig(**kw)).eval()
 
 
-MODELS = {"llama": _llama, "neox": _neox}
+def _glm(**overrides):
+    """GLM rotates neighbour pairs (2i, 2i + 1), on half of each head (partial_rotary_factor 0.5)."""
+    from transformers import GlmConfig, GlmForCausalLM
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=L0, attn_implementation="sdpa",
+              pad_token_id=0, eos_token_id=1, **rope_kwargs(GlmConfig, rope))
+    kw.update(overrides)
+    return GlmForCausalLM(GlmConfig(**kw)).eval()
+
+
+MODELS = {"llama": _llama, "neox": _neox, "glm": _glm}
+#: model types whose modeling code rotates neighbour pairs (transformers' GLM apply_rotary_pos_emb)
+INTERLEAVED = {"glm"}
 
 
 # ------------------------------------------------------------------------------- the papers' definitions, dense
@@ -112,6 +127,7 @@ class Dense:
     factor = None
     options: dict = {}
     inv_freq: torch.Tensor | None = None
+    layout: str = "half"  # "interleaved": frequency i turns dims (2i, 2i + 1) instead of (i, i + d/2)
     scale: float = 1.0  # the rotary module's attention_scaling: q and k each multiplied by it (YaRN's temperature)
 
     @classmethod
@@ -128,11 +144,15 @@ class Dense:
             q = q * (torch.log(pos + 1.0).double() / math.log(L0)).clamp(min=1)[None, None, :, None]
         inv = cls.inv_freq.double()
         rd = 2 * inv.numel()
-        angle = rel[..., None] * torch.cat([inv, inv])  # (t, t, rd)
-        cos, sin = angle.cos(), angle.sin()
         qr, qp = q[..., :rd], q[..., rd:]
-        half = rd // 2
-        q_half = torch.cat([-qr[..., half:], qr[..., :half]], dim=-1)
+        if cls.layout == "interleaved":
+            angle = rel[..., None] * inv.repeat_interleave(2)  # (t, t, rd)
+            q_half = torch.stack([-qr[..., 1::2], qr[..., 0::2]], dim=-1).flatten(-2)
+        else:
+            angle = rel[..., None] * torch.cat([inv, inv])
+            half = rd // 2
+            q_half = torch.cat([-qr[..., half:], qr[..., :half]], dim=-1)
+        cos, sin = angle.cos(), angle.sin()
         kr, kp = key[..., :rd], key[..., rd:]
         scores = torch.einsum("bhid,ijd,bhjd->bhij", qr, cos, kr) + torch.einsum("bhid,ijd,bhjd->bhij", q_half, sin,
                                                                                   kr)
@@ -161,6 +181,7 @@ def dense_logits(model, method, factor, options, ids):
     Dense.method, Dense.factor, Dense.options = method, factor, dict(pmap.options)
     rotary = next(m for m in model.modules() if hasattr(m, "original_inv_freq"))
     Dense.inv_freq, Dense.scale = rotary.original_inv_freq.clone(), float(rotary.attention_scaling)
+    Dense.layout = "interleaved" if model.config.model_type in INTERLEAVED else "half"
     restore = apply_remap(model, method, factor, options)
     back = use_attention(model, Dense.name)
     try:
@@ -205,7 +226,8 @@ SELF_EXTEND, REROPE, LEAKY_REROPE, LM_INFINITE, STRING, DCA, DCA_SMALL, STREAMIN
 @pytest.mark.parametrize("arch", sorted(MODELS))
 @pytest.mark.parametrize("method,factor,options", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_matches_dense_reference(arch, method, factor, options):
-    """GQA + head_dim != hidden/heads + rope_theta 500 (llama), partial rotary + theta 10000 (neox)."""
+    """GQA + head_dim != hidden/heads + rope_theta 500 (llama), partial rotary + theta 10000 (neox), neighbour
+    pairs on half of each head (glm)."""
     model = MODELS[arch]()
     ids = _ids(200)
     want = dense_logits(model, method, factor, options, ids)
@@ -279,6 +301,27 @@ def test_cached_generate_equals_full_forward(method, factor, options):
             generate_equals_full_forward(model, prompt_len=90, new=30)
     finally:
         restore()
+
+
+@pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, DCA_SMALL, STREAMING],
+                         ids=["self-extend", "dca", "streaming-llm"])
+def test_neighbour_pair_rotation_decodes_with_the_cache_as_a_full_forward_and_restores(method, factor, options):
+    """GLM (interleaved pairs, partial rotary): cached decoding past the original length == full pass; unpatch
+    restores the logits bit for bit."""
+    from checks import generate_equals_full_forward
+
+    model = _glm()
+    ids = _ids(100)
+    with torch.no_grad():
+        before = model(ids).logits
+    restore = apply_remap(model, method, factor, options)
+    try:
+        with torch.no_grad():
+            generate_equals_full_forward(model, prompt_len=90, new=30)
+    finally:
+        restore()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
 
 
 @pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, REROPE, LM_INFINITE, STRING, DCA_SMALL, STREAMING],

@@ -112,26 +112,26 @@ def check_remap(model: nn.Module, method: str, factor: float | None, options: di
                          "position map")
     target = length if factor is None else int(round(length * factor))
     _refuse_features(model, target)
-    _refuse_other_rotations(model)
+    _layout(model)
     return pmap
 
 
-def _refuse_other_rotations(model: nn.Module) -> None:
-    """The remap attention rotates q and k itself, in the rotate_half layout over the leading rotary dims: a model
-    that rotates interleaved pairs, or in a way the probe does not recognise, or only part of a latent head (MLA),
-    would be silently wrong."""
+def _layout(model: nn.Module) -> str:
+    """How the model pairs its rotated dims ("half" or "interleaved"), which the remap attention follows; a model
+    that rotates in a way the probe does not recognise, or only part of a latent head (MLA), is refused."""
     from .rotary_units import rotation_layout
 
     name = type(model).__name__
     layout = rotation_layout(model)
-    if layout != "half":
-        how = f"rotates {layout} pairs" if layout else "applies rotary positions in a way ctxext does not recognise"
-        raise PatchError(f"{name} {how}; the position-remapping attention rotates halves (rotate_half): refused")
+    if layout not in ("half", "interleaved"):
+        raise PatchError(f"{name} applies rotary positions in a way ctxext does not recognise; the position-"
+                         "remapping attention rotates halves (rotate_half) or neighbour pairs: refused")
     for config in _configs(model):
         if getattr(config, "qk_rope_head_dim", None):
             raise PatchError(f"{name} uses multi-head latent attention (rotary on qk_rope_head_dim="
                              f"{config.qk_rope_head_dim} of each head); the position-remapping attention does not "
                              "follow it: refused")
+    return layout
 
 
 def apply_remap(model: nn.Module, method: str, factor: float | None, options: dict[str, Any],
@@ -142,6 +142,7 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
     undo: list[Restore] = []
     try:
         modules = rotary_modules(model)
+        layout = _layout(model)
         shipped = _rotation(*modules[0], length, method)
         inv_freq, scaling = shipped.inv_freq.float().clone(), float(shipped.attention_scaling)
         for name, module in modules:
@@ -151,7 +152,7 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
                 module.inv_freq.copy_(zeros)
             module.attention_scaling = factor_one
         for module in attention_modules(model):
-            setattr(module, STATE_ATTR, RemapState(pmap, inv_freq, scaling))
+            setattr(module, STATE_ATTR, RemapState(pmap, inv_freq, scaling, layout))
             undo.append(functools.partial(_drop_state, module))
         undo.append(use_attention(model, REMAP))
     except BaseException:
