@@ -48,8 +48,9 @@ L0 = 16
 FACTOR = 4
 SEQ = 3 * L0
 DECODE = 4
-#: A small sliding window (< SEQ) where a config has one, so that the feature is exercised.
-WINDOW = 24
+#: A small sliding window where a config has one, so that the feature is exercised: shorter than SEQ, and within the
+#: trained length L0, as real hybrid models have it (Gemma 3: 1024 of 32k; Cohere2: 4096 of 8k).
+WINDOW = 12
 #: Models above this many parameters with the tiny settings are not tiny (composite configs, fixed large parts).
 MAX_PARAMS = 3_000_000
 #: Models whose unpatched full forward pass takes longer than this (seconds) are not walked unless asked: their

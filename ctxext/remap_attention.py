@@ -319,15 +319,36 @@ def _concat_chunk(qs, ks, v, picks, dropout, scaling, n_rep, gqa_cpu):
     return out[..., :width]
 
 
+#: A recording attention (transformers' sdpa, plus the keys it received kept on the module as ``PROBE_ATTR``), for
+#: ``ctxext.adapters.remap.rotating_layers``.
+PROBE = "ctxext_rotation_probe"
+PROBE_ATTR = "_ctxext_probe_keys"
+
+
+def probe_attention_forward(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    vars(module).setdefault(PROBE_ATTR, []).append(key.detach().float().clone())
+    return _SDPA(module, query, key, value, attention_mask, **kwargs)
+
+
+#: transformers' sdpa function, bound when ctxext registers its functions (the probe's own reference to it)
+_SDPA = None
+
+
 def _register() -> None:
+    global _SDPA
     from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+    _SDPA = sdpa_attention_forward
     AttentionInterface.register(REMAP, remap_attention_forward)
     AttentionMaskInterface.register(REMAP, sdpa_mask)
+    AttentionInterface.register(PROBE, probe_attention_forward)
+    AttentionMaskInterface.register(PROBE, sdpa_mask)
 
 
 _register()
 
 
-__all__ = ["CHUNK_BYTES", "REMAP", "STATE_ATTR", "RemapState", "remap_attention_forward", "rotate"]
+__all__ = ["CHUNK_BYTES", "PROBE", "REMAP", "STATE_ATTR", "RemapState", "remap_attention_forward", "rotate"]

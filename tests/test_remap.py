@@ -63,6 +63,32 @@ def _glm(**overrides):
     return GlmForCausalLM(GlmConfig(**kw)).eval()
 
 
+def _hybrid(**overrides):
+    """Qwen2 with a full-attention layer and a sliding-window layer (window 24 < the trained 64)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "default", "rope_theta": 500.0}
+    kw = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=L0, attn_implementation="sdpa",
+              use_sliding_window=True, sliding_window=24, max_window_layers=1, **rope_kwargs(Qwen2Config, rope))
+    kw.update(overrides)
+    return Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
+
+
+def _smollm3(**overrides):
+    """SmolLM3 with its second layer run without rotary positions (no_rope_layers = [1, 0])."""
+    from transformers import SmolLM3Config, SmolLM3ForCausalLM
+
+    torch.manual_seed(0)
+    rope = {"rope_type": "default", "rope_theta": 500.0}
+    kw = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=L0, attn_implementation="sdpa", pad_token_id=0,
+              no_rope_layers=[1, 0], use_sliding_window=False, **rope_kwargs(SmolLM3Config, rope))
+    kw.update(overrides)
+    return SmolLM3ForCausalLM(SmolLM3Config(**kw)).eval()
+
+
 MODELS = {"llama": _llama, "neox": _neox, "glm": _glm}
 #: model types whose modeling code rotates neighbour pairs (transformers' GLM apply_rotary_pos_emb)
 INTERLEAVED = {"glm"}
@@ -133,14 +159,20 @@ class Dense:
     @classmethod
     def forward(cls, module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
         b, h, t, dim = query.shape
-        assert key.shape[2] == t and attention_mask is None  # full passes without padding only
+        window = _sliding_window_of(module)  # a hybrid model's sliding layer: true distances, the last W keys
+        assert key.shape[2] == t and (attention_mask is None or window)  # full passes without padding only
         key = key.repeat_interleave(h // key.shape[1], dim=1).double()
         value = value.repeat_interleave(h // value.shape[1], dim=1).double()
         q = query.double()
         pos = torch.arange(t)
         i, j = pos[:, None], pos[None, :]
         rel, visible = paper_relative(cls.method, cls.factor, cls.options, i, j)
-        if cls.method == "rerope" and cls.options.get("log_scale", True):
+        if window:
+            rel, visible = (i - j).double(), (i - j) < window
+        rope_free = not _rotates(module)  # a layer the model runs without rotary positions: the mask only
+        if rope_free:
+            rel = torch.zeros_like(rel)
+        if cls.method == "rerope" and cls.options.get("log_scale", True) and not rope_free:
             q = q * (torch.log(pos + 1.0).double() / math.log(L0)).clamp(min=1)[None, None, :, None]
         inv = cls.inv_freq.double()
         rd = 2 * inv.numel()
@@ -162,6 +194,21 @@ class Dense:
         scores = scores.masked_fill(~keep, -math.inf)
         out = torch.softmax(scores, -1) @ value
         return out.transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def _sliding_window_of(module) -> int | None:
+    """The window of a sliding-attention layer of a hybrid model (config.layer_types), else None."""
+    config = module.config
+    types = getattr(config, "layer_types", None) or []
+    if types and types[module.layer_idx] == "sliding_attention" and getattr(config, "use_sliding_window", True):
+        return config.sliding_window
+    return None
+
+
+def _rotates(module) -> bool:
+    """SmolLM3's no_rope_layers: 0 marks a layer without rotary positions."""
+    flags = getattr(module.config, "no_rope_layers", None)
+    return not flags or bool(flags[module.layer_idx])
 
 
 def _register_dense():
@@ -489,6 +536,60 @@ def test_three_rotation_maps(monkeypatch, strategy):
             restore()
         torch.testing.assert_close(two, want, atol=1e-5, rtol=0)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+# ------------------------------------------------------------- hybrid models: sliding-window + full attention
+
+
+@pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, LM_INFINITE, DCA_SMALL, STREAMING],
+                         ids=["self-extend", "lm-infinite", "dca", "streaming-llm"])
+def test_a_hybrid_model_keeps_its_sliding_layers_and_remaps_its_full_ones(method, factor, options):
+    """The sliding layer (window 24, within the trained 64) never meets an untrained distance: it keeps true
+    positions and its window; the full-attention layer takes the paper's map. Cached decoding == full pass."""
+    from checks import generate_equals_full_forward
+
+    model = _hybrid()
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    ids = _ids(200)
+    want = dense_logits(model, method, factor, options, ids)
+    got = remap_logits(model, method, factor, options, ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        assert (got - model(ids).logits).abs().max() > 1e-4
+    restore = apply_remap(model, method, factor, options)
+    try:
+        with torch.no_grad():
+            generate_equals_full_forward(model, prompt_len=90, new=30)
+    finally:
+        restore()
+
+
+@pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, REROPE, STREAMING],
+                         ids=["self-extend", "rerope", "streaming-llm"])
+def test_layers_without_rotary_positions_get_none(method, factor, options):
+    """SmolLM3's NoPE layer: the remap adds no rotation there (and no ReRoPE query scaling), only the map's mask;
+    the rotary layer takes the map. Found by a probe, not by reading no_rope_layers."""
+    model = _smollm3()
+    ids = _ids(200)
+    want = dense_logits(model, method, factor, options, ids)
+    got = remap_logits(model, method, factor, options, ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_model_whose_rotary_layers_are_all_windowed_or_absent_is_refused():
+    """Nothing for the map to act on: a refusal, not a patch that changes nothing."""
+    model = _smollm3(no_rope_layers=[0, 0])
+    with pytest.raises(PatchError, match="nothing to remap"):
+        check_remap(model, "self-extend", 4, {})
+
+
+def test_sliding_layers_that_see_untrained_distances_or_no_full_layer_are_refused():
+    with pytest.raises(PatchError, match="past its trained 64"):
+        check_remap(_hybrid(sliding_window=100), "self-extend", 4, {})
+    all_sliding = _hybrid(max_window_layers=0)
+    assert set(all_sliding.config.layer_types) == {"sliding_attention"}
+    with pytest.raises(PatchError, match="in every layer"):
+        check_remap(all_sliding, "self-extend", 4, {})
 
 
 # ------------------------------------------------------------- models that ship scaled RoPE (static rope types)

@@ -17,6 +17,7 @@ The integration surface for the registry and the rotary adapter:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -26,8 +27,8 @@ from torch import nn
 from ..attention import can_use_attention, use_attention
 from ..errors import PatchError
 from ..methods import nope
-from ..methods.remap import REMAP_METHODS, PositionMap, build_map
-from ..remap_attention import REMAP, STATE_ATTR, RemapState
+from ..methods.remap import REMAP_METHODS, PositionMap, build_map, identity_map, target_length
+from ..remap_attention import PROBE, PROBE_ATTR, REMAP, STATE_ATTR, RemapState
 from .base import Restore, run_all
 from .rotary_units import RotaryUnit, _saver, rotary_modules, unit_inputs
 
@@ -53,21 +54,44 @@ def _configs(model: nn.Module) -> list:
     return configs(model)
 
 
-def _refuse_features(model: nn.Module, target: int) -> None:
-    """Attention features the remap function would silently drop: refuse the model."""
+def _binding_window(config, target: int) -> int | None:
+    """The config's sliding window where it binds below ``target`` tokens (None: no window, or one never reached)."""
+    window = getattr(config, "sliding_window", None)
+    used = getattr(config, "use_sliding_window", True)
+    return window if isinstance(window, int) and window and used and window < target else None
+
+
+def kept_as_trained(model: nn.Module, module: nn.Module, target: int) -> bool:
+    """Whether ``module`` is a sliding-window layer of a hybrid model (``layer_types``): its window is within the
+    trained length, so it never meets an untrained distance, and the remap leaves it as it is (true positions,
+    transformers' sliding mask). Full-attention layers take the position map."""
+    config = getattr(module, "config", None) or model.config
+    config = getattr(config, "get_text_config", lambda: config)()
+    layer_types = getattr(config, "layer_types", None) or []
+    index = getattr(module, "layer_idx", None)
+    return (_binding_window(config, target) is not None and isinstance(index, int) and index < len(layer_types)
+            and layer_types[index] == "sliding_attention")
+
+
+def _refuse_features(model: nn.Module, target: int, length: int) -> None:
+    """Attention features the remap function would silently drop: refuse the model. Hybrid models keep their
+    sliding-window layers as trained (``kept_as_trained``)."""
     name = type(model).__name__
     for config in _configs(model):
         cap = getattr(config, "attn_logit_softcapping", None)
         if cap:
             raise PatchError(f"{name} soft-caps attention logits (attn_logit_softcapping={cap}); the position-"
                              "remapping attention does not, so it would change the model: refused")
-        window = getattr(config, "sliding_window", None)
-        use = getattr(config, "use_sliding_window", True)
-        if window and use and window < target:
-            raise PatchError(f"{name} uses sliding-window attention (sliding_window={window} < {target} tokens); "
-                             "the position-remapping attention attends to all keys: refused")
         layer_types = getattr(config, "layer_types", None) or []
-        other = sorted({t for t in layer_types if t != "full_attention"})
+        window = _binding_window(config, target)
+        if window and "full_attention" not in layer_types:
+            raise PatchError(f"{name} uses sliding-window attention (sliding_window={window} < {target} tokens) in "
+                             "every layer; the position-remapping attention acts on full-attention layers, so it "
+                             "would change nothing: refused")
+        if window and window > length:
+            raise PatchError(f"{name}'s sliding-window layers see distances up to {window}, past its trained "
+                             f"{length}, and the position-remapping attention keeps them as they are: refused")
+        other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
         if other:
             raise PatchError(f"{name} has attention layers of type(s) {', '.join(other)}; the position-remapping "
                              "attention implements full causal attention only: refused")
@@ -111,8 +135,14 @@ def check_remap(model: nn.Module, method: str, factor: float | None, options: di
         raise PatchError(f"{type(model).__name__} has no attention module with is_causal / layer_idx to carry the "
                          "position map")
     target = length if factor is None else int(round(length * factor))
-    _refuse_features(model, target)
+    _refuse_features(model, target, length)
     _layout(model)
+    attention = attention_modules(model)
+    rotating = rotating_layers(model, attention)
+    if not any(id(m) in rotating and not kept_as_trained(model, m, target) for m in attention):
+        raise PatchError(f"{type(model).__name__}: no attention layer both rotates its keys and attends beyond a "
+                         "sliding window within the trained length (its rotary layers are all windowed, or carry "
+                         "no rotary positions), so the position-remapping attention has nothing to remap: refused")
     return pmap
 
 
@@ -139,6 +169,9 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
     """Apply a remap patch (after ``check_remap`` passed); returns the function restoring the model exactly."""
     pmap = check_remap(model, method, factor, options, original_length)
     length = _original_length(model, original_length)
+    attention = attention_modules(model)
+    rotating = rotating_layers(model, attention)  # before the rotation is switched off below
+    target = target_length(length, factor)
     undo: list[Restore] = []
     try:
         modules = rotary_modules(model)
@@ -151,8 +184,14 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
             with torch.no_grad():
                 module.inv_freq.copy_(zeros)
             module.attention_scaling = factor_one
-        for module in attention_modules(model):
-            setattr(module, STATE_ATTR, RemapState(pmap, inv_freq, scaling, layout))
+        for module in attention:
+            kept = identity_map(method, pmap.options) if kept_as_trained(model, module, target) else pmap
+            if id(module) in rotating:
+                state = RemapState(kept, inv_freq, scaling, layout)
+            else:  # a layer without rotary positions: the map's mask only (no rotation, no query scaling)
+                state = RemapState(dataclasses.replace(kept, query_scale=None), torch.zeros_like(inv_freq), 1.0,
+                                   layout)
+            setattr(module, STATE_ATTR, state)
             undo.append(functools.partial(_drop_state, module))
         undo.append(use_attention(model, REMAP))
     except BaseException:
@@ -164,6 +203,40 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
 def _rotation(name: str, module: nn.Module, length: int, method: str):
     """The frequencies and attention factor the module applies (``unit_inputs``), which the remap keeps."""
     return unit_inputs(RotaryUnit(name, module), length, method)
+
+
+def rotating_layers(model: nn.Module, modules: list[nn.Module]) -> set[int]:
+    """``id`` of every attention module whose keys carry rotary positions. Some models skip the rotation in some
+    layers (SmolLM3's ``no_rope_layers``, EXAONE 4's full-attention layers when it has sliding ones), so the remap
+    attention must not rotate there: it would add positions the model never had.
+
+    Probed, not read from names: two short passes whose position ids differ by a constant. Rotary attention is
+    unchanged by the shift (it sees relative positions), so the hidden states entering every layer are the same
+    up to rounding; the keys a layer hands to attention then differ only where the layer rotated them. A model
+    whose weights are not loaded (meta) cannot be probed: every layer counts as rotating there."""
+    if not modules or any(p.is_meta for p in model.parameters()):
+        return {id(m) for m in modules}
+    device = next(model.parameters()).device
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0) or 2
+    ids = (torch.arange(6, device=device) * 7 + 3).remainder(vocab)[None]
+    positions = torch.arange(6, device=device)[None]
+    restore, was_training = use_attention(model, PROBE), model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            for shift in (0, 37):
+                model(input_ids=ids, position_ids=positions + shift, use_cache=False)
+        keys = {id(m): vars(m).pop(PROBE_ATTR, []) for m in modules}
+    finally:
+        for m in modules:
+            vars(m).pop(PROBE_ATTR, None)
+        model.train(was_training)
+        restore()
+    rotating = set()
+    for ident, (a, b) in ((k, v) for k, v in keys.items() if len(v) == 2):
+        if (a - b).abs().max() > 0.1 * a.abs().max():
+            rotating.add(ident)
+    return rotating
 
 
 def _drop_state(module: nn.Module) -> None:
