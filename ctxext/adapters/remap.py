@@ -227,14 +227,20 @@ def rotating_layers(model: nn.Module, modules: list[nn.Module]) -> set[int]:
             for shift in (0, 37):
                 model(input_ids=ids, position_ids=positions + shift, use_cache=False)
         keys = {id(m): vars(m).pop(PROBE_ATTR, []) for m in modules}
+    except Exception:  # noqa: BLE001 - a forward this probe cannot make: every layer rotates, as before the probe
+        return {id(m) for m in modules}
     finally:
         for m in modules:
             vars(m).pop(PROBE_ATTR, None)
         model.train(was_training)
         restore()
     rotating = set()
-    for ident, (a, b) in ((k, v) for k, v in keys.items() if len(v) == 2):
-        if (a - b).abs().max() > 0.1 * a.abs().max():
+    for ident, calls in keys.items():
+        half = len(calls) // 2  # the calls of the first pass, then those of the second
+        first, second = calls[:half], calls[half:]
+        same_shapes = len(first) == len(second) and all(a.shape == b.shape for a, b in zip(first, second))
+        if not same_shapes or not first or any(  # not comparable: counted as rotating, as before the probe
+                torch.linalg.vector_norm(a - b) > 0.1 * torch.linalg.vector_norm(a) for a, b in zip(first, second)):
             rotating.add(ident)
     return rotating
 
