@@ -27,66 +27,48 @@ L0 = 64  # the tiny models' max_position_embeddings
 VOCAB = 128
 
 
-def _llama(**overrides):
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _tiny(kind: str, rope: dict, **settings):
+    """A tiny ``{kind}ForCausalLM`` (seed 0, sdpa): 2 layers, 4 heads, trained length L0; ``settings`` override."""
+    import transformers
 
+    config_class = getattr(transformers, f"{kind}Config")
     torch.manual_seed(0)
-    rope = overrides.pop("rope_parameters", {"rope_type": "default", "rope_theta": 500.0})
     kw = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=L0, attn_implementation="sdpa",
-              **rope_kwargs(LlamaConfig, rope))  # rope_parameters (5.x) or rope_theta + rope_scaling (4.x)
-    kw.update(overrides)
-    return LlamaForCausalLM(LlamaConfig(**kw)).eval()
+              max_position_embeddings=L0, attn_implementation="sdpa")
+    kw.update(settings)
+    kw.update(rope_kwargs(config_class, rope))  # rope_parameters (5.x) or rope_theta + rope_scaling (4.x)
+    return getattr(transformers, f"{kind}ForCausalLM")(config_class(**kw)).eval()
+
+
+def _llama(**overrides):
+    """GQA, head_dim != hidden / heads, rope_theta 500."""
+    rope = overrides.pop("rope_parameters", {"rope_type": "default", "rope_theta": 500.0})
+    return _tiny("Llama", rope, num_key_value_heads=2, head_dim=16, **overrides)
 
 
 def _neox(**overrides):
-    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
-
-    torch.manual_seed(0)
+    """Partial rotary (half of each head), theta 10000."""
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=L0, attn_implementation="sdpa", **rope_kwargs(GPTNeoXConfig, rope))
-    kw.update(overrides)
-    return GPTNeoXForCausalLM(GPTNeoXConfig(**kw)).eval()
+    return _tiny("GPTNeoX", rope, hidden_size=64, intermediate_size=96, **overrides)
 
 
 def _glm(**overrides):
     """GLM rotates neighbour pairs (2i, 2i + 1), on half of each head (partial_rotary_factor 0.5)."""
-    from transformers import GlmConfig, GlmForCausalLM
-
-    torch.manual_seed(0)
     rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
-    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=L0, attn_implementation="sdpa",
-              pad_token_id=0, eos_token_id=1, **rope_kwargs(GlmConfig, rope))
-    kw.update(overrides)
-    return GlmForCausalLM(GlmConfig(**kw)).eval()
+    return _tiny("Glm", rope, hidden_size=64, intermediate_size=96, num_key_value_heads=2, head_dim=16,
+                 pad_token_id=0, eos_token_id=1, **overrides)
 
 
 def _hybrid(**overrides):
     """Qwen2 with a full-attention layer and a sliding-window layer (window 24 < the trained 64)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    rope = {"rope_type": "default", "rope_theta": 500.0}
-    kw = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=L0, attn_implementation="sdpa",
-              use_sliding_window=True, sliding_window=24, max_window_layers=1, **rope_kwargs(Qwen2Config, rope))
-    kw.update(overrides)
-    return Qwen2ForCausalLM(Qwen2Config(**kw)).eval()
+    settings = dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=24, max_window_layers=1)
+    return _tiny("Qwen2", {"rope_type": "default", "rope_theta": 500.0}, **{**settings, **overrides})
 
 
 def _smollm3(**overrides):
     """SmolLM3 with its second layer run without rotary positions (no_rope_layers = [1, 0])."""
-    from transformers import SmolLM3Config, SmolLM3ForCausalLM
-
-    torch.manual_seed(0)
-    rope = {"rope_type": "default", "rope_theta": 500.0}
-    kw = dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=L0, attn_implementation="sdpa", pad_token_id=0,
-              no_rope_layers=[1, 0], use_sliding_window=False, **rope_kwargs(SmolLM3Config, rope))
-    kw.update(overrides)
-    return SmolLM3ForCausalLM(SmolLM3Config(**kw)).eval()
+    settings = dict(num_key_value_heads=2, pad_token_id=0, no_rope_layers=[1, 0], use_sliding_window=False)
+    return _tiny("SmolLM3", {"rope_type": "default", "rope_theta": 500.0}, **{**settings, **overrides})
 
 
 MODELS = {"llama": _llama, "neox": _neox, "glm": _glm}
