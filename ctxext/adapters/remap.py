@@ -7,12 +7,14 @@ The integration surface for the registry and the rotary adapter:
   resolved by ``ctxext.methods.remap`` from the original length and the factor.
 - ``check_remap(model, method, factor, options, original_length=None)``: raises ``PatchError`` before anything is
   touched (bad options, a model that is not rotary, a rotary variant this cannot rotate, attention features the
-  function would drop: soft-capping, sliding windows, sinks, several rotary modules, multimodal rope). A model that
-  ships a static scaled rope type (``linear``, ``yarn``, ``llama3``) keeps its rotation: the remapped positions are
-  rotated with its shipped frequencies and attention factor.
+  function would drop: soft-capping, sinks, sliding windows in every layer or past the trained length, several
+  rotary frequency sets, multimodal rope; a model with no layer to remap). A model that ships a static scaled rope
+  type (``linear``, ``yarn``, ``llama3``) keeps its rotation: the remapped positions are rotated with its shipped
+  frequencies and attention factor, in its layout (halves or neighbour pairs).
 - ``apply_remap(model, method, factor, options, original_length=None) -> restore``: identity-rotates the rotary
-  modules, stashes a ``RemapState`` on every attention module, switches the attention to ``ctxext_remap``;
-  ``restore()`` puts everything back bit-exactly.
+  modules, stashes a ``RemapState`` on every attention module (the map; the identity map on the sliding-window
+  layers of a hybrid model; no rotation on layers the model runs without rotary positions, found by
+  ``rotating_layers``), switches the attention to ``ctxext_remap``; ``restore()`` puts everything back bit-exactly.
 """
 
 from __future__ import annotations
