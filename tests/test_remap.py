@@ -59,6 +59,13 @@ def _glm(**overrides):
                  pad_token_id=0, eos_token_id=1, **overrides)
 
 
+def _cohere(**overrides):
+    """Cohere's rotary module emits each frequency repeated in place and its attention rotates neighbour pairs.
+    (logit_scale 1: Cohere's default 1/16 would shrink every logit difference the tests look at.)"""
+    return _tiny("Cohere", {"rope_type": "default", "rope_theta": 10000.0}, num_key_value_heads=2, pad_token_id=0,
+                 bos_token_id=2, eos_token_id=1, logit_scale=1.0, **overrides)
+
+
 def _hybrid(**overrides):
     """Qwen2 with a full-attention layer and a sliding-window layer (window 24 < the trained 64)."""
     settings = dict(num_key_value_heads=2, use_sliding_window=True, sliding_window=24, max_window_layers=1)
@@ -71,9 +78,9 @@ def _smollm3(**overrides):
     return _tiny("SmolLM3", {"rope_type": "default", "rope_theta": 500.0}, **{**settings, **overrides})
 
 
-MODELS = {"llama": _llama, "neox": _neox, "glm": _glm}
-#: model types whose modeling code rotates neighbour pairs (transformers' GLM apply_rotary_pos_emb)
-INTERLEAVED = {"glm"}
+MODELS = {"llama": _llama, "neox": _neox, "glm": _glm, "cohere": _cohere}
+#: model types whose modeling code rotates neighbour pairs (transformers' GLM and Cohere apply_rotary_pos_emb)
+INTERLEAVED = {"glm", "cohere"}
 
 
 # ------------------------------------------------------------------------------- the papers' definitions, dense
@@ -256,7 +263,7 @@ SELF_EXTEND, REROPE, LEAKY_REROPE, LM_INFINITE, STRING, DCA, DCA_SMALL, STREAMIN
 @pytest.mark.parametrize("method,factor,options", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
 def test_matches_dense_reference(arch, method, factor, options):
     """GQA + head_dim != hidden/heads + rope_theta 500 (llama), partial rotary + theta 10000 (neox), neighbour
-    pairs on half of each head (glm)."""
+    pairs on half of each head (glm), neighbour pairs from cos/sin emitted repeated in place (cohere)."""
     model = MODELS[arch]()
     ids = _ids(200)
     want = dense_logits(model, method, factor, options, ids)

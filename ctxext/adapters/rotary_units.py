@@ -372,11 +372,26 @@ def _interleaved_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return x * cos + torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2) * sin
 
 
+def _emitted_interleaved(model: nn.Module) -> bool:
+    """Whether the model's rotary module hands out cos/sin with each frequency repeated in place (f0 f0 f1 f1 ...,
+    Cohere) rather than the two halves (f0 f1 ... f0 f1 ..., Llama and most others)."""
+    modules = rotary_modules(model)
+    if not modules:
+        return False
+    try:
+        cos = _rotary_output(RotaryUnit(*modules[0]))[..., : 2 * modules[0][1].inv_freq.numel()]
+    except Exception:  # noqa: BLE001 - a module this cannot call: the common layout
+        return False
+    half = cos.shape[-1] // 2
+    return bool(torch.equal(cos[..., 0::2], cos[..., 1::2]) and not torch.equal(cos[..., :half], cos[..., half:]))
+
+
 def rotation_layout(model: nn.Module) -> str | None:
-    """How the model's attention applies its rotary cos/sin, read from what its modeling code computes (the
-    ``apply_rotary_pos_emb`` its attention modules call, probed on a random vector), not from a class name:
-    ``"half"`` (rotate_half over two halves: Llama, Mistral, GPT-NeoX, ...), ``"interleaved"`` (rotate every two:
-    Cohere, GLM, Helium, ERNIE 4.5, ...), or None where neither fits or the function is not found.
+    """How the model's attention rotates q and k by its rotary cos/sin, read from what its modeling code computes
+    (the cos/sin its rotary module emits, then the ``apply_rotary_pos_emb`` its attention modules call on them,
+    probed on a random vector), not from a class name: ``"half"`` (frequency i turns dims i and i + d/2: Llama,
+    Mistral, GPT-NeoX, ...), ``"interleaved"`` (frequency i turns dims 2i and 2i + 1: GLM, ERNIE 4.5, Cohere, whose
+    module emits the frequencies repeated in place, ...), or None where neither fits or the function is not found.
 
     Methods that only rewrite ``inv_freq`` work with any layout; a function that rotates q and k itself (the
     position-remapping attention) must use the model's layout or refuse the model."""
@@ -395,13 +410,13 @@ def rotation_layout(model: nn.Module) -> str | None:
     q = torch.randn(1, 1, 3, 8, generator=generator)
     k = torch.randn(1, 1, 3, 8, generator=generator)
     freqs = torch.outer(torch.tensor([1.0, 2.0, 5.0]), torch.tensor([1.0, 0.3, 0.1, 0.01]))
-    emb = torch.cat((freqs, freqs), dim=-1)[None]  # (1, seq, dim): the half layout every rotary module returns
-    cos, sin = emb.cos(), emb.sin()
+    halves = torch.cat((freqs, freqs), dim=-1)[None]  # (1, seq, dim)
+    emb = freqs.repeat_interleave(2, dim=-1)[None] if _emitted_interleaved(model) else halves
     try:
-        rq, rk = fn(q, k, cos, sin)[:2]
+        rq, rk = fn(q, k, emb.cos(), emb.sin())[:2]
     except Exception:
         return None
-    c, s_ = cos[:, None], sin[:, None]
+    c, s_ = halves.cos()[:, None], halves.sin()[:, None]  # the rotations below read the two-halves form
     for name, rotate in (("half", _half_rotation), ("interleaved", _interleaved_rotation)):
         if torch.allclose(rq, rotate(q, c, s_), atol=1e-6) and torch.allclose(rk, rotate(k, c, s_), atol=1e-6):
             return name
