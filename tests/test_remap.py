@@ -10,6 +10,7 @@ paper defines, rotates q_i by it explicitly (``R(a) q . R(b) k = R(a - b) q . k`
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import pytest
@@ -142,6 +143,8 @@ class Dense:
     factor = None
     options: dict = {}
     inv_freq: torch.Tensor | None = None
+    #: layer type -> (frequencies, attention factor) for a model with one set per layer type (Gemma 3); else None
+    typed: dict | None = None
     layout: str = "half"  # "interleaved": frequency i turns dims (2i, 2i + 1) instead of (i, i + d/2)
     scale: float = 1.0  # the rotary module's attention_scaling: q and k each multiplied by it (YaRN's temperature)
 
@@ -161,9 +164,12 @@ class Dense:
         rope_free = not _rotates(module)  # a layer the model runs without rotary positions: the mask only
         if rope_free:
             rel = torch.zeros_like(rel)
-        if cls.method == "rerope" and cls.options.get("log_scale", True) and not rope_free:
+        if cls.method == "rerope" and cls.options.get("log_scale", True) and not rope_free and not window:
             q = q * (torch.log(pos + 1.0).double() / math.log(L0)).clamp(min=1)[None, None, :, None]
-        inv = cls.inv_freq.double()
+        inv, scale = cls.inv_freq, cls.scale
+        if cls.typed is not None:
+            inv, scale = cls.typed[module.config.layer_types[module.layer_idx]]
+        inv = inv.double()
         rd = 2 * inv.numel()
         qr, qp = q[..., :rd], q[..., rd:]
         if cls.layout == "interleaved":
@@ -178,7 +184,7 @@ class Dense:
         scores = torch.einsum("bhid,ijd,bhjd->bhij", qr, cos, kr) + torch.einsum("bhid,ijd,bhjd->bhij", q_half, sin,
                                                                                   kr)
         scores = scores + torch.einsum("bhid,bhjd->bhij", qp, kp)
-        scores = scores * scaling * cls.scale**2
+        scores = scores * scaling * scale**2
         keep = visible & (j <= i)
         scores = scores.masked_fill(~keep, -math.inf)
         out = torch.softmax(scores, -1) @ value
@@ -215,8 +221,13 @@ def dense_logits(model, method, factor, options, ids):
     """Logits of the paper's definition: the patched model (rotary off) with the dense attention swapped in."""
     pmap = build_map(method, L0, factor, **options)
     Dense.method, Dense.factor, Dense.options = method, factor, dict(pmap.options)
-    rotary = next(m for m in model.modules() if hasattr(m, "original_inv_freq"))
-    Dense.inv_freq, Dense.scale = rotary.original_inv_freq.clone(), float(rotary.attention_scaling)
+    rotary = next(m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding"))
+    if hasattr(rotary, "original_inv_freq"):
+        Dense.inv_freq, Dense.scale = rotary.original_inv_freq.clone(), float(rotary.attention_scaling)
+        Dense.typed = None
+    else:  # one set per layer type, as transformers built them
+        Dense.typed = {t: (getattr(rotary, f"{t}_original_inv_freq").clone(), float(getattr(rotary,
+                           f"{t}_attention_scaling"))) for t in rotary.layer_types}
     Dense.layout = "interleaved" if model.config.model_type in INTERLEAVED else "half"
     restore = apply_remap(model, method, factor, options)
     back = use_attention(model, Dense.name)
@@ -570,6 +581,45 @@ def test_a_model_whose_rotary_layers_are_all_windowed_or_absent_is_refused():
     model = _smollm3(no_rope_layers=[0, 0])
     with pytest.raises(PatchError, match="nothing to remap"):
         check_remap(model, "self-extend", 4, {})
+
+
+def _gemma3():
+    """Gemma 3: a sliding layer (window 24, plain RoPE base 10k) and a full layer (linear x2 on base 1M), one set of
+    frequencies per layer type (the transformers 5.x rotary module), query_pre_attn_scalar scaling."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    if "rope_parameters" not in inspect.signature(Gemma3TextConfig.__init__).parameters:
+        pytest.skip("per-layer-type rope_parameters are a transformers 5.x surface (4.x: two rotary modules, refused)")
+    torch.manual_seed(0)
+    rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0}}
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=L0,
+                              sliding_window=24, layer_types=["sliding_attention", "full_attention"],
+                              rope_parameters=rope, pad_token_id=0, attn_implementation="sdpa")
+    return Gemma3ForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, REROPE, DCA_SMALL, STREAMING],
+                         ids=["self-extend", "rerope", "dca", "streaming-llm"])
+def test_gemma3_sliding_layers_keep_their_set_and_the_full_layers_take_the_map(method, factor, options):
+    """Each layer rotates with its own layer type's frequencies; the sliding layer keeps true positions and its
+    window, the full layer (linear x2 shipped) takes the paper's map. Cached decoding == full pass."""
+    from checks import generate_equals_full_forward
+
+    model = _gemma3()
+    ids = _ids(200)
+    want = dense_logits(model, method, factor, options, ids)
+    got = remap_logits(model, method, factor, options, ids)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        assert (got - model(ids).logits).abs().max() > 1e-4
+    restore = apply_remap(model, method, factor, options)
+    try:
+        with torch.no_grad():
+            generate_equals_full_forward(model, prompt_len=90, new=30)
+    finally:
+        restore()
 
 
 def test_sliding_layers_that_see_untrained_distances_or_no_full_layer_are_refused():

@@ -28,11 +28,10 @@ from torch import nn
 
 from ..attention import can_use_attention, use_attention
 from ..errors import PatchError
-from ..methods import nope
 from ..methods.remap import REMAP_METHODS, PositionMap, build_map, identity_map, target_length
 from ..remap_attention import PROBE, PROBE_ATTR, REMAP, STATE_ATTR, RemapState
 from .base import Restore, run_all
-from .rotary_units import RotaryUnit, _saver, rotary_modules, unit_inputs
+from .rotary_units import _unit_saver, rotary_units, unit_inputs
 
 def _original_length(model: nn.Module, original_length: int | None) -> int:
     if original_length is not None:
@@ -69,10 +68,7 @@ def kept_as_trained(model: nn.Module, module: nn.Module, target: int) -> bool:
     transformers' sliding mask). Full-attention layers take the position map."""
     config = getattr(module, "config", None) or model.config
     config = getattr(config, "get_text_config", lambda: config)()
-    layer_types = getattr(config, "layer_types", None) or []
-    index = getattr(module, "layer_idx", None)
-    return (_binding_window(config, target) is not None and isinstance(index, int) and index < len(layer_types)
-            and layer_types[index] == "sliding_attention")
+    return _binding_window(config, target) is not None and _layer_type(model, module) == "sliding_attention"
 
 
 def _refuse_features(model: nn.Module, target: int, length: int) -> None:
@@ -111,25 +107,12 @@ def check_remap(model: nn.Module, method: str, factor: float | None, options: di
     """Validate a remap patch without touching the model; returns the position map it would apply."""
     if method not in REMAP_METHODS:
         raise PatchError(f"unknown position-remapping method {method!r}; choose one of {', '.join(REMAP_METHODS)}")
-    modules = rotary_modules(model)
-    if not modules:
-        from .rotary_units import rotary_units
-
-        if rotary_units(model):
-            raise PatchError(f"{type(model).__name__} has rotary frequencies per layer type; the position-remapping "
-                             "attention uses one set: refused")
-        raise PatchError(f"method {method!r} remaps rotary positions; {type(model).__name__} has no rotary module")
     length = _original_length(model, original_length)
     options = {k: v for k, v in options.items() if v is not None}
     pmap = build_map(method, length, factor, **options)
-    # the rotation the model applies: plain RoPE, or the frequencies and attention factor of a static scaled rope
-    # type it ships (PatchError for dynamic / longrope types and unknown variants)
-    inputs = [_rotation(name, module, length, method) for name, module in modules]
-    frequencies = [i.inv_freq for i in inputs]
-    if any(not torch.equal(frequencies[0], f) for f in frequencies[1:]) or \
-            len({i.attention_scaling for i in inputs}) > 1:
-        raise PatchError(f"{type(model).__name__} has rotary modules with different frequencies (per layer type); "
-                         "the position-remapping attention uses one set: refused")
+    rotation_of = _rotations(model, length, method)
+    for module in attention_modules(model):
+        rotation_of(module)  # every attention layer has its frequency set
     reason = can_use_attention(model)
     if reason:
         raise PatchError(f"cannot use the position-remapping attention: {reason}")
@@ -146,6 +129,46 @@ def check_remap(model: nn.Module, method: str, factor: float | None, options: di
                          "sliding window within the trained length (its rotary layers are all windowed, or carry "
                          "no rotary positions), so the position-remapping attention has nothing to remap: refused")
     return pmap
+
+
+def _layer_type(model: nn.Module, module: nn.Module) -> str | None:
+    """The ``config.layer_types`` entry of an attention module (None where the config has none)."""
+    config = getattr(module, "config", None) or model.config
+    config = getattr(config, "get_text_config", lambda: config)()
+    layer_types = getattr(config, "layer_types", None) or []
+    index = getattr(module, "layer_idx", None)
+    return layer_types[index] if isinstance(index, int) and index < len(layer_types) else None
+
+
+def _rotations(model: nn.Module, length: int, method: str):
+    """The function giving each attention module the rotation it applies (``unit_inputs``: plain RoPE, or a static
+    scaled rope type's frequencies and attention factor): the one set of the model's rotary modules, or, where one
+    module keeps a set per layer type (Gemma 3, OLMo 3 in transformers 5.x), the set of the module's layer type.
+    PatchError for dynamic / longrope types, unknown variants, plain modules that disagree, a layer without a set."""
+    name = type(model).__name__
+    units = rotary_units(model)
+    if not units:
+        raise PatchError(f"method {method!r} remaps rotary positions; {name} has no rotary module")
+    typed = {u.layer_type: unit_inputs(u, length, method) for u in units if u.layer_type}
+    plain = [unit_inputs(u, length, method) for u in units if not u.layer_type]
+    if plain and typed or len({id(u.module) for u in units if u.layer_type}) > 1:
+        raise PatchError(f"{name} has rotary modules of several kinds; the position-remapping attention follows one "
+                         "module (one set, or one set per layer type): refused")
+    if plain:
+        if any(not torch.equal(plain[0].inv_freq, i.inv_freq) or i.attention_scaling != plain[0].attention_scaling
+               for i in plain[1:]):
+            raise PatchError(f"{name} has rotary modules with different frequencies (per layer type); the position-"
+                             "remapping attention cannot tell which layer uses which: refused")
+        return lambda module: plain[0]
+
+    def of_layer(module: nn.Module):
+        kind = _layer_type(model, module)
+        if kind not in typed:
+            raise PatchError(f"{name}: attention layer {getattr(module, 'layer_idx', '?')} (layer type {kind!r}) has "
+                             f"no rotary frequency set of its own (sets: {', '.join(sorted(typed))}): refused")
+        return typed[kind]
+
+    return of_layer
 
 
 def _layout(model: nn.Module) -> str:
@@ -176,18 +199,19 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
     target = target_length(length, factor)
     undo: list[Restore] = []
     try:
-        modules = rotary_modules(model)
         layout = _layout(model)
-        shipped = _rotation(*modules[0], length, method)
-        inv_freq, scaling = shipped.inv_freq.float().clone(), float(shipped.attention_scaling)
-        for name, module in modules:
-            undo.append(_saver(module))
-            zeros, factor_one = nope.identity_rotation(_rotation(name, module, length, method))
+        rotation_of = _rotations(model, length, method)
+        # copied before the rotation is switched off below (4.x modules alias original_inv_freq to inv_freq)
+        states = {id(m): (r.inv_freq.float().clone(), float(r.attention_scaling))
+                  for m, r in ((m, rotation_of(m)) for m in attention)}
+        for unit in rotary_units(model):
+            undo.append(_unit_saver(unit))
             with torch.no_grad():
-                module.inv_freq.copy_(zeros)
-            module.attention_scaling = factor_one
+                unit.inv_freq.zero_()  # identity rotation: the remap attention rotates q and k itself
+            unit.attention_scaling = 1.0
         for module in attention:
             kept = identity_map(method, pmap.options) if kept_as_trained(model, module, target) else pmap
+            inv_freq, scaling = states[id(module)]
             if id(module) in rotating:
                 state = RemapState(kept, inv_freq, scaling, layout)
             else:  # a layer without rotary positions: the map's mask only (no rotation, no query scaling)
@@ -200,11 +224,6 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
         run_all(undo)
         raise
     return functools.partial(run_all, undo)
-
-
-def _rotation(name: str, module: nn.Module, length: int, method: str):
-    """The frequencies and attention factor the module applies (``unit_inputs``), which the remap keeps."""
-    return unit_inputs(RotaryUnit(name, module), length, method)
 
 
 def rotating_layers(model: nn.Module, modules: list[nn.Module]) -> set[int]:
