@@ -98,6 +98,9 @@ def test_ok_rows_ran_the_checks_that_apply(required_rows):
         assert all("parity" in rows[model, m].checks for m in ("pi", "ntk", "dynamic-ntk", "yarn", "llama3")), model
     # per-layer-type rotary frequencies (5.x) / a local and a global rotary module (4.x)
     assert {"changed", "cache", "identity"} <= set(rows["gemma3_text", "yarn"].checks)
+    if census.build_tiny("gemma3_text").model.rotary_emb.__dict__.get("layer_types"):  # one set per type (5.x)
+        # Gemma 3's hybrid layers: the sliding ones kept as trained, the global ones remapped
+        assert {"changed", "cache", "identity"} <= set(rows["gemma3_text", "self-extend"].checks)
     assert "extrapolated" in rows["llama", "extrapolate"].checks
     # composed on a shipped linear x 2: pi x 4 equals transformers' linear x 8 (the one closed form)
     assert "parity" in rows["llama+linear", "pi"].checks
