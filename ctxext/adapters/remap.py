@@ -110,19 +110,19 @@ def check_remap(model: nn.Module, method: str, factor: float | None, options: di
     length = _original_length(model, original_length)
     options = {k: v for k, v in options.items() if v is not None}
     pmap = build_map(method, length, factor, **options)
+    attention = attention_modules(model)
     rotation_of = _rotations(model, length, method)
-    for module in attention_modules(model):
+    for module in attention:
         rotation_of(module)  # every attention layer has its frequency set
     reason = can_use_attention(model)
     if reason:
         raise PatchError(f"cannot use the position-remapping attention: {reason}")
-    if not attention_modules(model):
+    if not attention:
         raise PatchError(f"{type(model).__name__} has no attention module with is_causal / layer_idx to carry the "
                          "position map")
-    target = length if factor is None else int(round(length * factor))
+    target = target_length(length, factor)
     _refuse_features(model, target, length)
     _layout(model)
-    attention = attention_modules(model)
     rotating = rotating_layers(model, attention)
     if not any(id(m) in rotating and not kept_as_trained(model, m, target) for m in attention):
         raise PatchError(f"{type(model).__name__}: no attention layer both rotates its keys and attends beyond a "
