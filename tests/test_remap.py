@@ -333,21 +333,27 @@ def test_within_the_window_is_the_unpatched_model():
         torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
 
 
-@pytest.mark.parametrize("method,factor,options",
-                         [SELF_EXTEND, REROPE, LM_INFINITE, LEAKY_REROPE, STRING, DCA, DCA_SMALL, STREAMING],
-                         ids=["self-extend", "rerope", "lm-infinite", "leaky-rerope", "string", "dca", "dca-small",
-                              "streaming-llm"])
-def test_cached_generate_equals_full_forward(method, factor, options):
-    """Past the original length (64) and past every window: prefill 90 tokens, decode 30 more with the cache."""
+def _decodes_as_a_full_forward(model, method, factor, options):
+    """Patched, the model decodes with the cache as a full pass does, past the original length (64) and past every
+    window: prefill 90 tokens, decode 30 more; the model is restored after."""
     from checks import generate_equals_full_forward
 
-    model = _llama()
     restore = apply_remap(model, method, factor, options)
     try:
         with torch.no_grad():
             generate_equals_full_forward(model, prompt_len=90, new=30)
     finally:
         restore()
+
+
+@pytest.mark.parametrize("method,factor,options",
+                         [SELF_EXTEND, REROPE, LM_INFINITE, LEAKY_REROPE, STRING, DCA, DCA_SMALL, STREAMING],
+                         ids=["self-extend", "rerope", "lm-infinite", "leaky-rerope", "string", "dca", "dca-small",
+                              "streaming-llm"])
+def test_cached_generate_equals_full_forward(method, factor, options):
+    """Past the original length (64) and past every window: prefill 90 tokens, decode 30 more with the cache."""
+    model = _llama()
+    _decodes_as_a_full_forward(model, method, factor, options)
 
 
 @pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, DCA_SMALL, STREAMING],
@@ -355,18 +361,11 @@ def test_cached_generate_equals_full_forward(method, factor, options):
 def test_neighbour_pair_rotation_decodes_with_the_cache_as_a_full_forward_and_restores(method, factor, options):
     """GLM (interleaved pairs, partial rotary): cached decoding past the original length == full pass; unpatch
     restores the logits bit for bit."""
-    from checks import generate_equals_full_forward
-
     model = _glm()
     ids = _ids(100)
     with torch.no_grad():
         before = model(ids).logits
-    restore = apply_remap(model, method, factor, options)
-    try:
-        with torch.no_grad():
-            generate_equals_full_forward(model, prompt_len=90, new=30)
-    finally:
-        restore()
+    _decodes_as_a_full_forward(model, method, factor, options)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
 
@@ -544,20 +543,13 @@ def test_three_rotation_maps(monkeypatch, strategy):
 def _matches_dense_changes_and_decodes(model, method, factor, options):
     """The patched model equals the dense reference at 200 tokens (1e-5), differs from the unpatched model, and
     decodes with the cache as a full pass (prompt 90, 30 new tokens)."""
-    from checks import generate_equals_full_forward
-
     ids = _ids(200)
     want = dense_logits(model, method, factor, options, ids)
     got = remap_logits(model, method, factor, options, ids)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     with torch.no_grad():
         assert (got - model(ids).logits).abs().max() > 1e-4
-    restore = apply_remap(model, method, factor, options)
-    try:
-        with torch.no_grad():
-            generate_equals_full_forward(model, prompt_len=90, new=30)
-    finally:
-        restore()
+    _decodes_as_a_full_forward(model, method, factor, options)
 
 
 @pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, LM_INFINITE, DCA_SMALL, STREAMING],

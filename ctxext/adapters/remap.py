@@ -105,6 +105,12 @@ def _refuse_features(model: nn.Module, target: int, length: int) -> None:
 def check_remap(model: nn.Module, method: str, factor: float | None, options: dict[str, Any],
                 original_length: int | None = None) -> PositionMap:
     """Validate a remap patch without touching the model; returns the position map it would apply."""
+    return _checked(model, method, factor, options, original_length)[0]
+
+
+def _checked(model: nn.Module, method: str, factor: float | None, options: dict[str, Any],
+             original_length: int | None) -> tuple[PositionMap, set[int]]:
+    """``check_remap``'s checks; also returns ``rotating_layers`` (the probe runs once per patch)."""
     if method not in REMAP_METHODS:
         raise PatchError(f"unknown position-remapping method {method!r}; choose one of {', '.join(REMAP_METHODS)}")
     length = _original_length(model, original_length)
@@ -128,7 +134,7 @@ def check_remap(model: nn.Module, method: str, factor: float | None, options: di
         raise PatchError(f"{type(model).__name__}: no attention layer both rotates its keys and attends beyond a "
                          "sliding window within the trained length (its rotary layers are all windowed, or carry "
                          "no rotary positions), so the position-remapping attention has nothing to remap: refused")
-    return pmap
+    return pmap, rotating
 
 
 def _layer_type(model: nn.Module, module: nn.Module) -> str | None:
@@ -192,10 +198,9 @@ def _layout(model: nn.Module) -> str:
 def apply_remap(model: nn.Module, method: str, factor: float | None, options: dict[str, Any],
                 original_length: int | None = None) -> Restore:
     """Apply a remap patch (after ``check_remap`` passed); returns the function restoring the model exactly."""
-    pmap = check_remap(model, method, factor, options, original_length)
+    pmap, rotating = _checked(model, method, factor, options, original_length)  # probed before the rotation is off
     length = _original_length(model, original_length)
     attention = attention_modules(model)
-    rotating = rotating_layers(model, attention)  # before the rotation is switched off below
     target = target_length(length, factor)
     undo: list[Restore] = []
     try:
