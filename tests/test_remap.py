@@ -736,6 +736,21 @@ def test_public_patch_equals_the_map_and_survives_save(method, factor, options, 
         assert torch.equal(model(ids).logits, before)
 
 
+@pytest.mark.parametrize("first,factor", [("self-extend", 4), ("nope", None), ("yarn", 4)])
+def test_replacing_a_patch_with_a_remap_equals_patching_the_plain_model(first, factor):
+    """A replacement is checked on the patched model: the rotation probes must see the model's own rotation, not the
+    zeroed one a remap / NoPE patch leaves (they refused "nothing to remap" before)."""
+    import ctxext
+
+    ids = _ids(150)
+    model, fresh = _llama(), _llama()
+    ctxext.patch(model, first, factor)
+    ctxext.patch(model, "dca", 4, replace=True)
+    ctxext.patch(fresh, "dca", 4)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, fresh(ids).logits)
+
+
 def test_remap_methods_refuse_other_families_and_bad_options_via_the_api():
     import ctxext
     from transformers import GPT2Config, GPT2LMHeadModel

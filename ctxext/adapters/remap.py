@@ -31,7 +31,7 @@ from ..errors import PatchError
 from ..methods.remap import REMAP_METHODS, PositionMap, build_map, identity_map, target_length
 from ..remap_attention import PROBE, PROBE_ATTR, REMAP, STATE_ATTR, RemapState
 from .base import Restore, run_all
-from .rotary_units import _unit_saver, rotary_units, unit_inputs
+from .rotary_units import _unit_saver, original_rotation, rotary_units, unit_inputs
 
 def _original_length(model: nn.Module, original_length: int | None) -> int:
     if original_length is not None:
@@ -249,7 +249,7 @@ def rotating_layers(model: nn.Module, modules: list[nn.Module]) -> set[int]:
     restore, was_training = use_attention(model, PROBE), model.training
     model.eval()
     try:
-        with torch.no_grad():
+        with torch.no_grad(), original_rotation(model):  # as the model rotates unpatched (a replace probes a patched one)
             for shift in (0, 37):
                 model(input_ids=ids, position_ids=positions + shift, use_cache=False)
         keys = {id(m): vars(m).pop(PROBE_ATTR, []) for m in modules}

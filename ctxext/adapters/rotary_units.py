@@ -5,6 +5,8 @@ attention applies. Shared by the rotary adapter and the position-remapping adapt
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -372,6 +374,24 @@ def _interleaved_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return x * cos + torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2) * sin
 
 
+@contextlib.contextmanager
+def original_rotation(model: nn.Module):
+    """Within the block every set of rotary frequencies is its original one (``original_inv_freq``, attention
+    factor 1), whatever patch is active; put back exactly after. For probes of how the model rotates, which a patch
+    that zeroes the frequencies (NoPE, the ALiBi swap, the remap methods) would hide."""
+    units = rotary_units(model)
+    undo = [_unit_saver(unit) for unit in units]
+    try:
+        with torch.no_grad():
+            for unit in units:
+                unit.inv_freq.copy_(unit.original_inv_freq.to(unit.inv_freq.dtype))
+                unit.attention_scaling = 1.0
+        yield
+    finally:
+        for restore in reversed(undo):
+            restore()
+
+
 def _emitted_interleaved(model: nn.Module) -> bool:
     """Whether the model's rotary module hands out cos/sin with each frequency repeated in place (f0 f0 f1 f1 ...,
     Cohere) rather than the two halves (f0 f1 ... f0 f1 ..., Llama and most others)."""
@@ -379,7 +399,8 @@ def _emitted_interleaved(model: nn.Module) -> bool:
     if not modules:
         return False
     try:
-        cos = _rotary_output(RotaryUnit(*modules[0]))[..., : 2 * modules[0][1].inv_freq.numel()]
+        with original_rotation(model):
+            cos = _rotary_output(RotaryUnit(*modules[0]))[..., : 2 * modules[0][1].inv_freq.numel()]
     except Exception:  # noqa: BLE001 - a module this cannot call: the common layout
         return False
     half = cos.shape[-1] // 2
