@@ -181,7 +181,7 @@ def alibi_attention_forward(
 
 MISSING_HOOK_MESSAGE = (
     "this transformers has no AttentionInterface / masking_utils.AttentionMaskInterface, the hook point of the ALiBi "
-    "swap (they exist from transformers 4.53; ctxext is tested from 4.57.6)"
+    "swap (they exist from transformers 4.53; ctxext is tested from 4.56.2)"
 )
 #: Why the attention hook point is missing from the installed transformers (None: registered).
 MISSING_HOOK: str | None = None
