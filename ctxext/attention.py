@@ -281,8 +281,13 @@ def require_attention(model: nn.Module) -> None:
 
 
 def use_attention(model: nn.Module, name: str = ALIBI):
-    """Switch ``model`` to the registered attention ``name``; returns a function restoring the previous one exactly."""
-    require_attention(model)
+    """Switch ``model`` to the registered attention ``name``; returns a function restoring the previous one exactly.
+    The ALiBi swap is checked here; other functions (the remap attention, its probe) honour other features, which
+    their adapter checks (``ctxext.adapters.remap``), so only the dispatch is checked for them."""
+    if name == ALIBI:
+        require_attention(model)
+    elif can_use_attention(model):
+        raise PatchError(f"cannot use attention {name!r}: {can_use_attention(model)}")
     before = [(config, config._attn_implementation_internal) for config in _configs(model)]
 
     def restore():

@@ -28,6 +28,10 @@ first chunk and local window), it rotates q and k once and calls transformers' o
 cost what the unpatched model costs. Otherwise the queries go in chunks of at most
 ``CHUNK_BYTES`` of scores, each chunk only over the keys up to its last query; a chunk whose pairs all use one
 rotation runs sdpa with a boolean mask; a chunk that mixes rotations runs the ``STRATEGY`` below.
+
+Soft-capping. A model whose attention soft-caps its logits (Gemma 2: ``softcap`` in the call's kwargs,
+``cap * tanh(score / cap)`` before the mask, as its eager attention does) gets it: sdpa and the flex path have no
+soft-capping, so such a call takes the chunked "scores" path for every chunk, the fast path and decoding included.
 """
 
 from __future__ import annotations
@@ -161,6 +165,7 @@ def remap_attention_forward(
             f"{REMAP}: {type(module).__name__} carries no position map; select this attention only through "
             "ctxext.patch (ctxext.adapters.remap.apply_remap)"
         )
+    softcap = kwargs.pop("softcap", None)  # honoured below (the "scores" path), not dropped
     dropped = dropped_features(kwargs)
     if dropped:
         raise ValueError(f"{REMAP} would drop what this attention call asks for ({dropped}); the model should have "
@@ -194,7 +199,7 @@ def remap_attention_forward(
         first = torch.where(seen, torch.arange(kv_len, device=query.device), kv_len - 1).amin(-1)
         first_key = kpos.gather(1, first[:, None])[:, 0]
     farthest = int((qpos.amax(-1) - first_key).amax()) if q_len else 0
-    if farthest < pmap.near or (q_len and int(qpos.amax()) < pmap.plain_below):
+    if softcap is None and (farthest < pmap.near or (q_len and int(qpos.amax()) < pmap.plain_below)):
         return sdpa_attention_forward(
             module,
             rotate(query, qpos, inv_freq, att, state.layout),
@@ -211,12 +216,13 @@ def remap_attention_forward(
     keys = [rotate(key, r.key(kpos), inv_freq, att, state.layout) for r in rotations]
     queries = [rotate(query, r.query(qpos), inv_freq, att, state.layout) for r in rotations]
     mask = None if attention_mask is None else _as_bool(attention_mask)[:, 0]  # (B or 1, q_len, kv_len)
-    if use_flex(query, dropout, key, value):  # a long prefill / full pass on CUDA: one block-sparse flex call
+    if softcap is None and use_flex(query, dropout, key, value):  # a long prefill / full pass on CUDA: one block-sparse flex call
         raw = None if attention_mask is None else attention_mask[:, 0]  # its identity lets layers share a block mask
         return flex_remap(pmap, queries, keys, value, qpos, kpos, slots, raw, scaling), None
 
     count = len(rotations)
-    if STRATEGY == "concat":  # per row: the selector, masks and picks (bytes), no float scores
+    strategy = "scores" if softcap is not None else STRATEGY
+    if strategy == "concat":  # per row: the selector, masks and picks (bytes), no float scores
         per_row = batch * kv_len * (8 + 2 * count)
     else:  # per row: one float32 score tensor per rotation and the merged one
         per_row = batch * heads * kv_len * 4 * (count + 1)
@@ -244,7 +250,9 @@ def remap_attention_forward(
         qs = [queries[c][:, :, start:end] for c in used]
         ks = [keys[c][:, :, :k_end] for c in used]
         v = value[:, :, :k_end]
-        if len(used) == 1:
+        if strategy == "scores" and (softcap is not None or len(used) > 1):
+            o = _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep, softcap)
+        elif len(used) == 1:
             kk, vv = ks[0], v
             extra = {}
             if n_rep > 1:
@@ -255,18 +263,17 @@ def remap_attention_forward(
             o = F.scaled_dot_product_attention(
                 qs[0], kk, vv, attn_mask=allowed[:, None], dropout_p=dropout, scale=scaling, **extra
             )
-        elif STRATEGY == "concat":
+        else:
             shared = all(rotations[c].query is rotations[used[0]].query for c in used)
             o = _concat_chunk(qs[:1] if shared else qs, ks, v, [(which == c) & allowed for c in used], dropout,
                               scaling, n_rep, gqa_cpu)
-        else:
-            o = _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep)
         out[:, start:end] = o.transpose(1, 2)
     return out, None
 
 
-def _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep):
-    """One score matmul per rotation (keys grouped for GQA, not repeated), select, masked softmax in float32, @V."""
+def _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep, softcap=None):
+    """One score matmul per rotation (keys grouped for GQA, not repeated), select, soft-cap (``softcap``: as the
+    model's eager attention, ``cap * tanh(score / cap)``), masked softmax in float32, @V."""
     batch, heads, rows, dim = qs[0].shape
     kv_heads = ks[0].shape[1]
     scores = None
@@ -275,6 +282,8 @@ def _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep):
         s = s.view(batch, kv_heads, n_rep, rows, -1)
         scores = s if scores is None else torch.where((which == c)[:, None, None], s, scores)
     scores = scores.float().mul_(scaling)
+    if softcap is not None:
+        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     scores.masked_fill_(~allowed[:, None, None], -math.inf)
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     if dropout > 0:

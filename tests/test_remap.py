@@ -185,6 +185,8 @@ class Dense:
                                                                                   kr)
         scores = scores + torch.einsum("bhid,bhjd->bhij", qp, kp)
         scores = scores * scaling * scale**2
+        if kw.get("softcap") is not None:  # Gemma 2's eager attention: cap * tanh(score / cap), before the mask
+            scores = torch.tanh(scores / kw["softcap"]) * kw["softcap"]
         keep = visible & (j <= i)
         scores = scores.masked_fill(~keep, -math.inf)
         out = torch.softmax(scores, -1) @ value
@@ -581,6 +583,37 @@ def test_a_model_whose_rotary_layers_are_all_windowed_or_absent_is_refused():
         check_remap(model, "self-extend", 4, {})
 
 
+def _gemma2(**overrides):
+    """Gemma 2: soft-capped attention logits (cap 1; query_pre_attn_scalar 1, so scores reach the cap), a sliding
+    layer (window 24 < the trained 64) and a full one; eager attention, where transformers applies the cap."""
+    settings = dict(num_key_value_heads=2, head_dim=16, sliding_window=24, attn_logit_softcapping=1.0,
+                    query_pre_attn_scalar=1, attn_implementation="eager", pad_token_id=0)
+    return _tiny("Gemma2", {"rope_type": "default", "rope_theta": 10000.0}, **{**settings, **overrides})
+
+
+@pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, REROPE, LM_INFINITE, DCA_SMALL, STREAMING],
+                         ids=["self-extend", "rerope", "lm-infinite", "dca", "streaming-llm"])
+def test_gemma2_soft_capped_logits_are_kept(method, factor, options):
+    """Gemma 2 soft-caps its attention logits (``softcap`` in the attention call): the remap applies the cap as the
+    model's eager attention does, so the patched model equals the dense reference with the cap (1e-5), its sliding
+    layer stays as trained, and cached decoding equals a full pass."""
+    model = _gemma2()
+    assert model.config.layer_types == ["sliding_attention", "full_attention"]
+    _matches_dense_changes_and_decodes(model, method, factor, options)
+
+
+@pytest.mark.parametrize("method,factor,options", IDENTITY, ids=[f"{c[0]}-{i}" for i, c in enumerate(IDENTITY)])
+def test_gemma2_identity_settings_equal_its_own_soft_capped_attention(method, factor, options):
+    """Settings that map every pair to its true distance give Gemma 2's own (eager, soft-capped) logits, on the
+    chunked path (short and long) and when decoding."""
+    model = _gemma2()
+    for length in (5, 200):
+        ids = _ids(length, seed=length)
+        with torch.no_grad():
+            want = model(ids).logits
+        torch.testing.assert_close(remap_logits(model, method, factor, options, ids), want, atol=1e-5, rtol=0)
+
+
 def _gemma3():
     """Gemma 3: a sliding layer (window 24, plain RoPE base 10k) and a full layer (linear x2 on base 1M), one set of
     frequencies per layer type (the transformers 5.x rotary module), query_pre_attn_scalar scaling."""
@@ -694,8 +727,6 @@ def test_models_it_cannot_serve_are_refused():
     with pytest.raises(PatchError, match="rope_type 'dynamic'"):
         check_remap(_llama(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 500.0}),
                     "rerope", 4, {})
-    with pytest.raises(PatchError, match="soft-caps"):
-        check_remap(_llama(attn_logit_softcapping=30.0), "self-extend", 4, {})
     with pytest.raises(PatchError, match="sliding-window"):
         check_remap(_llama(sliding_window=32), "self-extend", 4, {})
     with pytest.raises(PatchError, match="unknown position-remapping method"):

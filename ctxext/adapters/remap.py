@@ -7,7 +7,7 @@ The integration surface for the registry and the rotary adapter:
   resolved by ``ctxext.methods.remap`` from the original length and the factor.
 - ``check_remap(model, method, factor, options, original_length=None)``: raises ``PatchError`` before anything is
   touched (bad options, a model that is not rotary, a rotary variant this cannot rotate, attention features the
-  function would drop: soft-capping, sinks, sliding windows in every layer or past the trained length, several
+  function would drop: sinks, sliding windows in every layer or past the trained length, several
   rotary frequency sets, multimodal rope; a model with no layer to remap). A model that ships a static scaled rope
   type (``linear``, ``yarn``, ``llama3``) keeps its rotation: the remapped positions are rotated with its shipped
   frequencies and attention factor, in its layout (halves or neighbour pairs).
@@ -73,13 +73,10 @@ def kept_as_trained(model: nn.Module, module: nn.Module, target: int) -> bool:
 
 def _refuse_features(model: nn.Module, target: int, length: int) -> None:
     """Attention features the remap function would silently drop: refuse the model. Hybrid models keep their
-    sliding-window layers as trained (``kept_as_trained``)."""
+    sliding-window layers as trained (``kept_as_trained``); soft-capped logits (Gemma 2) reach the function as its
+    ``softcap`` argument and are applied there."""
     name = type(model).__name__
     for config in _configs(model):
-        cap = getattr(config, "attn_logit_softcapping", None)
-        if cap:
-            raise PatchError(f"{name} soft-caps attention logits (attn_logit_softcapping={cap}); the position-"
-                             "remapping attention does not, so it would change the model: refused")
         layer_types = getattr(config, "layer_types", None) or []
         window = _binding_window(config, target)
         if window and "full_attention" not in layer_types:
