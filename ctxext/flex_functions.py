@@ -44,7 +44,7 @@ def remap_attention_forward_flex(module, query, key, value, attention_mask, drop
     q_len = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     if (state is None or not (causal and use_flex(query, dropout, key, value))
-            or kwargs.get("softcap") is not None or query.shape[1] % key.shape[1]
+            or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None or query.shape[1] % key.shape[1]
             or (attention_mask is not None and attention_mask.dim() != 4)):
         return R.remap_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                          scaling=scaling, is_causal=is_causal, **kwargs)

@@ -29,9 +29,11 @@ cost what the unpatched model costs. Otherwise the queries go in chunks of at mo
 ``CHUNK_BYTES`` of scores, each chunk only over the keys up to its last query; a chunk whose pairs all use one
 rotation runs sdpa with a boolean mask; a chunk that mixes rotations runs the ``STRATEGY`` below.
 
-Soft-capping. A model whose attention soft-caps its logits (Gemma 2: ``softcap`` in the call's kwargs,
-``cap * tanh(score / cap)`` before the mask, as its eager attention does) gets it: sdpa and the flex path have no
-soft-capping, so such a call takes the chunked "scores" path for every chunk, the fast path and decoding included.
+Soft-capping and sinks. A model whose attention soft-caps its logits (Gemma 2: ``softcap`` in the call's kwargs,
+``cap * tanh(score / cap)`` before the mask, as its eager attention does) or adds a learned sink logit per head to
+the softmax (GPT-OSS, Granite SWA: ``s_aux``, one more softmax column dropped after it) gets it: sdpa and the flex
+path have neither, so such a call takes the chunked "scores" path for every chunk, the fast path and decoding
+included.
 """
 
 from __future__ import annotations
@@ -166,6 +168,7 @@ def remap_attention_forward(
             "ctxext.patch (ctxext.adapters.remap.apply_remap)"
         )
     softcap = kwargs.pop("softcap", None)  # honoured below (the "scores" path), not dropped
+    sinks = kwargs.pop("s_aux", None)  # likewise: one sink logit per query head
     dropped = dropped_features(kwargs)
     if dropped:
         raise ValueError(f"{REMAP} would drop what this attention call asks for ({dropped}); the model should have "
@@ -179,6 +182,9 @@ def remap_attention_forward(
     if heads % kv_heads:
         raise ValueError(f"{REMAP}: {heads} query heads are not a multiple of {kv_heads} key/value heads")
     scaling = head_dim**-0.5 if scaling is None else scaling
+    if sinks is not None and sinks.numel() != heads:
+        raise ValueError(f"{REMAP}: attention sinks of shape {tuple(sinks.shape)}, expected one per head ({heads})")
+    eager_only = softcap is not None or sinks is not None  # features sdpa and flex do not have
     if attention_mask is not None:
         if attention_mask.dim() != 4:
             raise ValueError(f"{REMAP} expects a 4D attention mask, got shape {tuple(attention_mask.shape)}")
@@ -199,7 +205,7 @@ def remap_attention_forward(
         first = torch.where(seen, torch.arange(kv_len, device=query.device), kv_len - 1).amin(-1)
         first_key = kpos.gather(1, first[:, None])[:, 0]
     farthest = int((qpos.amax(-1) - first_key).amax()) if q_len else 0
-    if softcap is None and (farthest < pmap.near or (q_len and int(qpos.amax()) < pmap.plain_below)):
+    if not eager_only and (farthest < pmap.near or (q_len and int(qpos.amax()) < pmap.plain_below)):
         return sdpa_attention_forward(
             module,
             rotate(query, qpos, inv_freq, att, state.layout),
@@ -216,12 +222,12 @@ def remap_attention_forward(
     keys = [rotate(key, r.key(kpos), inv_freq, att, state.layout) for r in rotations]
     queries = [rotate(query, r.query(qpos), inv_freq, att, state.layout) for r in rotations]
     mask = None if attention_mask is None else _as_bool(attention_mask)[:, 0]  # (B or 1, q_len, kv_len)
-    if softcap is None and use_flex(query, dropout, key, value):  # a long prefill / full pass on CUDA: one block-sparse flex call
+    if not eager_only and use_flex(query, dropout, key, value):  # a long prefill / full pass on CUDA: one block-sparse flex call
         raw = None if attention_mask is None else attention_mask[:, 0]  # its identity lets layers share a block mask
         return flex_remap(pmap, queries, keys, value, qpos, kpos, slots, raw, scaling), None
 
     count = len(rotations)
-    strategy = "scores" if softcap is not None else STRATEGY
+    strategy = "scores" if eager_only else STRATEGY
     if strategy == "concat":  # per row: the selector, masks and picks (bytes), no float scores
         per_row = batch * kv_len * (8 + 2 * count)
     else:  # per row: one float32 score tensor per rotation and the merged one
@@ -250,8 +256,8 @@ def remap_attention_forward(
         qs = [queries[c][:, :, start:end] for c in used]
         ks = [keys[c][:, :, :k_end] for c in used]
         v = value[:, :, :k_end]
-        if strategy == "scores" and (softcap is not None or len(used) > 1):
-            o = _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep, softcap)
+        if strategy == "scores" and (eager_only or len(used) > 1):
+            o = _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep, softcap, sinks)
         elif len(used) == 1:
             kk, vv = ks[0], v
             extra = {}
@@ -271,9 +277,10 @@ def remap_attention_forward(
     return out, None
 
 
-def _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep, softcap=None):
+def _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep, softcap=None, sinks=None):
     """One score matmul per rotation (keys grouped for GQA, not repeated), select, soft-cap (``softcap``: as the
-    model's eager attention, ``cap * tanh(score / cap)``), masked softmax in float32, @V."""
+    model's eager attention, ``cap * tanh(score / cap)``), masked softmax in float32 (``sinks``: a per-head logit as
+    one more column, dropped after the softmax), @V."""
     batch, heads, rows, dim = qs[0].shape
     kv_heads = ks[0].shape[1]
     scores = None
@@ -285,7 +292,11 @@ def _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep, soft
     if softcap is not None:
         scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
     scores.masked_fill_(~allowed[:, None, None], -math.inf)
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    else:  # query head h = kv_head * n_rep + r, as repeat_kv pairs them
+        sink = sinks.float().reshape(1, kv_heads, n_rep, 1, 1).expand(batch, -1, -1, rows, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(v.dtype)
     if dropout > 0:
         probs = F.dropout(probs, p=dropout, training=True)
     o = torch.matmul(probs.view(batch, kv_heads, n_rep * rows, -1), v)

@@ -189,7 +189,11 @@ class Dense:
             scores = torch.tanh(scores / kw["softcap"]) * kw["softcap"]
         keep = visible & (j <= i)
         scores = scores.masked_fill(~keep, -math.inf)
-        out = torch.softmax(scores, -1) @ value
+        if kw.get("s_aux") is not None:  # GPT-OSS: a learned sink logit per head, one more softmax column, dropped
+            sink = kw["s_aux"].double().view(1, h, 1, 1).expand(b, h, t, 1)
+            out = torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ value
+        else:
+            out = torch.softmax(scores, -1) @ value
         return out.transpose(1, 2).to(query.dtype).contiguous(), None
 
 
@@ -591,22 +595,43 @@ def _gemma2(**overrides):
     return _tiny("Gemma2", {"rope_type": "default", "rope_theta": 10000.0}, **{**settings, **overrides})
 
 
+def _gpt_oss(**overrides):
+    """GPT-OSS: a learned sink logit per head (``s_aux``; drawn large here, so it matters), YaRN x4 shipped over an
+    original 16 tokens, rotary cos/sin emitted once per frequency, a sliding layer (24) and a full one, MoE MLP."""
+    rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 16, "rope_theta": 150000.0}
+    settings = dict(num_key_value_heads=2, head_dim=16, sliding_window=24, num_local_experts=2, num_experts_per_tok=1,
+                    layer_types=["sliding_attention", "full_attention"], attn_implementation="eager", pad_token_id=0)
+    model = _tiny("GptOss", rope, **{**settings, **overrides})
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(getattr(module, "sinks", None), torch.Tensor):
+                module.sinks.copy_(torch.randn(module.sinks.shape, generator=torch.Generator().manual_seed(5)) * 2)
+    return model
+
+
+#: models whose attention does what sdpa cannot: soft-capped logits (Gemma 2), per-head sink logits (GPT-OSS)
+EAGER_ONLY = {"gemma2": _gemma2, "gpt-oss": _gpt_oss}
+
+
+@pytest.mark.parametrize("arch", sorted(EAGER_ONLY))
 @pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, REROPE, LM_INFINITE, DCA_SMALL, STREAMING],
                          ids=["self-extend", "rerope", "lm-infinite", "dca", "streaming-llm"])
-def test_gemma2_soft_capped_logits_are_kept(method, factor, options):
-    """Gemma 2 soft-caps its attention logits (``softcap`` in the attention call): the remap applies the cap as the
-    model's eager attention does, so the patched model equals the dense reference with the cap (1e-5), its sliding
-    layer stays as trained, and cached decoding equals a full pass."""
-    model = _gemma2()
+def test_soft_capped_logits_and_sinks_are_kept(arch, method, factor, options):
+    """Gemma 2 soft-caps its attention logits (``softcap`` in the attention call), GPT-OSS adds a sink logit per
+    head (``s_aux``): the remap applies them as the model's eager attention does, so the patched model equals the
+    dense reference with them (1e-5), its sliding layer stays as trained, and cached decoding equals a full pass."""
+    model = EAGER_ONLY[arch]()
     assert model.config.layer_types == ["sliding_attention", "full_attention"]
     _matches_dense_changes_and_decodes(model, method, factor, options)
 
 
+@pytest.mark.parametrize("arch", sorted(EAGER_ONLY))
 @pytest.mark.parametrize("method,factor,options", IDENTITY, ids=[f"{c[0]}-{i}" for i, c in enumerate(IDENTITY)])
-def test_gemma2_identity_settings_equal_its_own_soft_capped_attention(method, factor, options):
-    """Settings that map every pair to its true distance give Gemma 2's own (eager, soft-capped) logits, on the
-    chunked path (short and long) and when decoding."""
-    model = _gemma2()
+def test_identity_settings_equal_the_models_own_capped_or_sunk_attention(arch, method, factor, options):
+    """Settings that map every pair to its true distance give the model's own eager logits (soft-capped / with
+    sinks), on the chunked path, short and long."""
+    model = EAGER_ONLY[arch]()
     for length in (5, 200):
         ids = _ids(length, seed=length)
         with torch.no_grad():
@@ -729,6 +754,12 @@ def test_models_it_cannot_serve_are_refused():
                     "rerope", 4, {})
     with pytest.raises(PatchError, match="sliding-window"):
         check_remap(_llama(sliding_window=32), "self-extend", 4, {})
+    odd_sinks = _llama()  # sinks other than one logit per head: not what the remap applies
+    for module in odd_sinks.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "is_causal"):
+            module.sinks = torch.nn.Parameter(torch.zeros(4, 2))
+    with pytest.raises(PatchError, match=r"sinks of shape \(4, 2\)"):
+        check_remap(odd_sinks, "self-extend", 4, {})
     with pytest.raises(PatchError, match="unknown position-remapping method"):
         check_remap(_llama(), "dca2", 4, {})
 

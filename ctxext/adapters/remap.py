@@ -7,7 +7,7 @@ The integration surface for the registry and the rotary adapter:
   resolved by ``ctxext.methods.remap`` from the original length and the factor.
 - ``check_remap(model, method, factor, options, original_length=None)``: raises ``PatchError`` before anything is
   touched (bad options, a model that is not rotary, a rotary variant this cannot rotate, attention features the
-  function would drop: sinks, sliding windows in every layer or past the trained length, several
+  function would drop: sinks other than one logit per head, sliding windows in every layer or past the trained length, several
   rotary frequency sets, multimodal rope; a model with no layer to remap). A model that ships a static scaled rope
   type (``linear``, ``yarn``, ``llama3``) keeps its rotation: the remapped positions are rotated with its shipped
   frequencies and attention factor, in its layout (halves or neighbour pairs).
@@ -73,8 +73,8 @@ def kept_as_trained(model: nn.Module, module: nn.Module, target: int) -> bool:
 
 def _refuse_features(model: nn.Module, target: int, length: int) -> None:
     """Attention features the remap function would silently drop: refuse the model. Hybrid models keep their
-    sliding-window layers as trained (``kept_as_trained``); soft-capped logits (Gemma 2) reach the function as its
-    ``softcap`` argument and are applied there."""
+    sliding-window layers as trained (``kept_as_trained``); soft-capped logits (Gemma 2) and per-head sink logits
+    (GPT-OSS) reach the function as its ``softcap`` / ``s_aux`` arguments and are applied there."""
     name = type(model).__name__
     for config in _configs(model):
         layer_types = getattr(config, "layer_types", None) or []
@@ -94,9 +94,11 @@ def _refuse_features(model: nn.Module, target: int, length: int) -> None:
         if isinstance(params, dict) and ("mrope_section" in params or "mrope_interleaved" in params):
             raise PatchError(f"{name} uses multimodal rotary positions (mrope); ctxext remaps 1-D positions only")
     for module in attention_modules(model):
-        if isinstance(getattr(module, "sinks", None), torch.Tensor):
-            raise PatchError(f"{name} has attention sinks ({type(module).__name__}.sinks); the position-remapping "
-                             "attention has none: refused")
+        sinks = getattr(module, "sinks", None)  # one logit per head (GPT-OSS's s_aux) is applied; other shapes refused
+        heads = getattr(module.config, "num_attention_heads", None) if hasattr(module, "config") else None
+        if isinstance(sinks, torch.Tensor) and not (sinks.dim() == 1 and sinks.numel() == heads):
+            raise PatchError(f"{name} has attention sinks of shape {tuple(sinks.shape)} ({type(module).__name__}."
+                             "sinks); the position-remapping attention applies one sink logit per head only: refused")
 
 
 def check_remap(model: nn.Module, method: str, factor: float | None, options: dict[str, Any],

@@ -392,26 +392,31 @@ def original_rotation(model: nn.Module):
             restore()
 
 
-def _emitted_interleaved(model: nn.Module) -> bool:
-    """Whether the model's rotary module hands out cos/sin with each frequency repeated in place (f0 f0 f1 f1 ...,
-    Cohere) rather than the two halves (f0 f1 ... f0 f1 ..., Llama and most others)."""
+def _emitted_form(model: nn.Module) -> str:
+    """How the model's rotary module hands out cos/sin: ``"halves"`` (f0 f1 ... f0 f1 ..., Llama and most others),
+    ``"interleaved"`` (each frequency repeated in place, f0 f0 f1 f1 ..., Cohere) or ``"once"`` (each frequency once,
+    half the rotated width: GPT-OSS, whose attention pairs the halves of q and k itself)."""
     modules = rotary_modules(model)
     if not modules:
-        return False
+        return "halves"
+    count = modules[0][1].inv_freq.numel()
     try:
         with original_rotation(model):
-            cos = _rotary_output(RotaryUnit(*modules[0]))[..., : 2 * modules[0][1].inv_freq.numel()]
+            out = _rotary_output(RotaryUnit(*modules[0]))  # cos then sin
     except Exception:  # noqa: BLE001 - a module this cannot call: the common layout
-        return False
-    half = cos.shape[-1] // 2
-    return bool(torch.equal(cos[..., 0::2], cos[..., 1::2]) and not torch.equal(cos[..., :half], cos[..., half:]))
+        return "halves"
+    if out.shape[-1] == 2 * count:
+        return "once"
+    cos = out[..., : 2 * count]
+    interleaved = torch.equal(cos[..., 0::2], cos[..., 1::2]) and not torch.equal(cos[..., :count], cos[..., count:])
+    return "interleaved" if interleaved else "halves"
 
 
 def rotation_layout(model: nn.Module) -> str | None:
     """How the model's attention rotates q and k by its rotary cos/sin, read from what its modeling code computes
     (the cos/sin its rotary module emits, then the ``apply_rotary_pos_emb`` its attention modules call on them,
     probed on a random vector), not from a class name: ``"half"`` (frequency i turns dims i and i + d/2: Llama,
-    Mistral, GPT-NeoX, ...), ``"interleaved"`` (frequency i turns dims 2i and 2i + 1: GLM, ERNIE 4.5, Cohere, whose
+    Mistral, GPT-NeoX, GPT-OSS, ...), ``"interleaved"`` (frequency i turns dims 2i and 2i + 1: GLM, ERNIE 4.5, Cohere, whose
     module emits the frequencies repeated in place, ...), or None where neither fits or the function is not found.
 
     Methods that only rewrite ``inv_freq`` work with any layout; a function that rotates q and k itself (the
@@ -432,7 +437,8 @@ def rotation_layout(model: nn.Module) -> str | None:
     k = torch.randn(1, 1, 3, 8, generator=generator)
     freqs = torch.outer(torch.tensor([1.0, 2.0, 5.0]), torch.tensor([1.0, 0.3, 0.1, 0.01]))
     halves = torch.cat((freqs, freqs), dim=-1)[None]  # (1, seq, dim)
-    emb = freqs.repeat_interleave(2, dim=-1)[None] if _emitted_interleaved(model) else halves
+    emb = {"interleaved": freqs.repeat_interleave(2, dim=-1)[None], "once": freqs[None]}.get(_emitted_form(model),
+                                                                                              halves)
     try:
         rq, rk = fn(q, k, emb.cos(), emb.sin())[:2]
     except Exception:
