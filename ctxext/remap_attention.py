@@ -347,6 +347,10 @@ PROBE_ATTR = "_ctxext_probe_keys"
 
 def probe_attention_forward(module: nn.Module, query, key, value, attention_mask, **kwargs):
     vars(module).setdefault(PROBE_ATTR, []).append(key.detach().float().clone())
+    # sdpa has no soft-capping or sinks (and refuses softcap): the probe compares keys, which they do not change,
+    # and leaves them out of both of its passes alike
+    kwargs.pop("softcap", None)
+    kwargs.pop("s_aux", None)
     return _SDPA(module, query, key, value, attention_mask, **kwargs)
 
 
