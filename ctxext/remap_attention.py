@@ -290,7 +290,7 @@ def _scores_chunk(qs, ks, v, which, allowed, used, dropout, scaling, n_rep, soft
         scores = s if scores is None else torch.where((which == c)[:, None, None], s, scores)
     scores = scores.float().mul_(scaling)
     if softcap is not None:
-        scores = torch.tanh(scores.div_(softcap)).mul_(softcap)
+        scores = torch.tanh(scores / softcap) * softcap  # out of place: tanh's backward reads its output
     scores.masked_fill_(~allowed[:, None, None], -math.inf)
     if sinks is None:
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
