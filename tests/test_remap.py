@@ -593,6 +593,38 @@ def test_a_model_whose_rotary_layers_are_all_windowed_or_absent_is_refused():
         check_remap(model, "self-extend", 4, {})
 
 
+def _linear_hybrid():
+    """Qwen3-Next: a linear-attention layer (Gated DeltaNet: no positions, no attention function) and a full-attention
+    layer with partial rotary (a quarter of each head) and a gated output."""
+    import importlib.util
+
+    from ctxext import census
+
+    if importlib.util.find_spec("transformers.models.qwen3_next") is None:
+        pytest.skip("Qwen3-Next arrived in transformers 4.57")
+    return census.build_tiny("qwen3_next", {"max_position_embeddings": L0})
+
+
+@pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, REROPE, DCA_SMALL, STREAMING],
+                         ids=["self-extend", "rerope", "dca", "streaming-llm"])
+def test_a_linear_attention_hybrid_remaps_its_full_attention_layers(method, factor, options):
+    """The linear-attention layer never calls the attention function and has no positions: it stays as trained;
+    the full-attention layer takes the paper's map (dense reference, 1e-5); cached decoding (the hybrid cache with
+    the recurrent state) equals a full pass."""
+    model = _linear_hybrid()
+    assert model.config.layer_types == ["linear_attention", "full_attention"]
+    _matches_dense_changes_and_decodes(model, method, factor, options)
+
+
+def test_attention_layers_of_other_types_are_refused():
+    """A layer type whose layers do call the attention function, with a meaning the remap does not implement
+    (Llama 4's chunked attention), is refused; linear-attention layers are not (they never call it)."""
+    from ctxext import census
+
+    with pytest.raises(PatchError, match="chunked_attention"):
+        check_remap(census.build_tiny("llama4_text", {"max_position_embeddings": L0}), "self-extend", 4, {})
+
+
 def _gemma2(**overrides):
     """Gemma 2: soft-capped attention logits (cap 1; query_pre_attn_scalar 1, so scores reach the cap), a sliding
     layer (window 24 < the trained 64) and a full one; eager attention, where transformers applies the cap."""

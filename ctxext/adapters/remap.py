@@ -86,14 +86,17 @@ def _refuse_features(model: nn.Module, target: int, length: int) -> None:
         if window and window > length:
             raise PatchError(f"{name}'s sliding-window layers see distances up to {window}, past its trained "
                              f"{length}, and the position-remapping attention keeps them as they are: refused")
-        other = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
-        if other:
-            raise PatchError(f"{name} has attention layers of type(s) {', '.join(other)}; the position-remapping "
-                             "attention implements full causal attention only: refused")
         params = getattr(config, "rope_parameters", None)
         if isinstance(params, dict) and ("mrope_section" in params or "mrope_interleaved" in params):
             raise PatchError(f"{name} uses multimodal rotary positions (mrope); ctxext remaps 1-D positions only")
     for module in attention_modules(model):
+        # layers of other types that call the attention function (chunked, indexed / sparse attention) are refused;
+        # layers that do not (the linear-attention or state-space layers of Qwen3-Next, Qwen3.5, MiniMax, OLMo
+        # hybrid: no positions) never reach it and stay as trained
+        kind = _layer_type(model, module)
+        if kind not in (None, "full_attention", "sliding_attention"):
+            raise PatchError(f"{name} has attention layers of type(s) {kind}; the position-remapping attention "
+                             "implements full causal attention only: refused")
         sinks = getattr(module, "sinks", None)  # one logit per head (GPT-OSS's s_aux) is applied; other shapes refused
         heads = getattr(module.config, "num_attention_heads", None) if hasattr(module, "config") else None
         if isinstance(sinks, torch.Tensor) and not (sinks.dim() == 1 and sinks.numel() == heads):
