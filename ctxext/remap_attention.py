@@ -222,7 +222,8 @@ def remap_attention_forward(
     keys = [rotate(key, r.key(kpos), inv_freq, att, state.layout) for r in rotations]
     queries = [rotate(query, r.query(qpos), inv_freq, att, state.layout) for r in rotations]
     mask = None if attention_mask is None else _as_bool(attention_mask)[:, 0]  # (B or 1, q_len, kv_len)
-    if not eager_only and use_flex(query, dropout, key, value):  # a long prefill / full pass on CUDA: one block-sparse flex call
+    # a long prefill / full pass on CUDA: one block-sparse flex call
+    if not eager_only and use_flex(query, dropout, key, value):
         raw = None if attention_mask is None else attention_mask[:, 0]  # its identity lets layers share a block mask
         return flex_remap(pmap, queries, keys, value, qpos, kpos, slots, raw, scaling), None
 

@@ -7,10 +7,10 @@ The integration surface for the registry and the rotary adapter:
   resolved by ``ctxext.methods.remap`` from the original length and the factor.
 - ``check_remap(model, method, factor, options, original_length=None)``: raises ``PatchError`` before anything is
   touched (bad options, a model that is not rotary, a rotary variant this cannot rotate, attention features the
-  function would drop: sinks other than one logit per head, sliding windows in every layer or past the trained length, several
-  rotary frequency sets, multimodal rope; a model with no layer to remap). A model that ships a static scaled rope
-  type (``linear``, ``yarn``, ``llama3``) keeps its rotation: the remapped positions are rotated with its shipped
-  frequencies and attention factor, in its layout (halves or neighbour pairs).
+  function would drop: sinks other than one logit per head, sliding windows in every layer or past the trained
+  length, several rotary frequency sets, multimodal rope; a model with no layer to remap). A model that ships a
+  static scaled rope type (``linear``, ``yarn``, ``llama3``) keeps its rotation: the remapped positions are rotated
+  with its shipped frequencies and attention factor, in its layout (halves or neighbour pairs).
 - ``apply_remap(model, method, factor, options, original_length=None) -> restore``: identity-rotates the rotary
   modules, stashes a ``RemapState`` on every attention module (the map; the identity map on the sliding-window
   layers of a hybrid model; no rotation on layers the model runs without rotary positions, found by
@@ -97,7 +97,7 @@ def _refuse_features(model: nn.Module, target: int, length: int) -> None:
         if kind not in (None, "full_attention", "sliding_attention"):
             raise PatchError(f"{name} has attention layers of type(s) {kind}; the position-remapping attention "
                              "implements full causal attention only: refused")
-        sinks = getattr(module, "sinks", None)  # one logit per head (GPT-OSS's s_aux) is applied; other shapes refused
+        sinks = getattr(module, "sinks", None)  # one logit per head (GPT-OSS's s_aux) is applied, other shapes not
         heads = getattr(module.config, "num_attention_heads", None) if hasattr(module, "config") else None
         if isinstance(sinks, torch.Tensor) and not (sinks.dim() == 1 and sinks.numel() == heads):
             raise PatchError(f"{name} has attention sinks of shape {tuple(sinks.shape)} ({type(module).__name__}."

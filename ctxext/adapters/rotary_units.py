@@ -416,8 +416,9 @@ def rotation_layout(model: nn.Module) -> str | None:
     """How the model's attention rotates q and k by its rotary cos/sin, read from what its modeling code computes
     (the cos/sin its rotary module emits, then the ``apply_rotary_pos_emb`` its attention modules call on them,
     probed on a random vector), not from a class name: ``"half"`` (frequency i turns dims i and i + d/2: Llama,
-    Mistral, GPT-NeoX, GPT-OSS, ...), ``"interleaved"`` (frequency i turns dims 2i and 2i + 1: GLM, ERNIE 4.5, Cohere, whose
-    module emits the frequencies repeated in place, ...), or None where neither fits or the function is not found.
+    Mistral, GPT-NeoX, GPT-OSS, ...), ``"interleaved"`` (frequency i turns dims 2i and 2i + 1: GLM, ERNIE 4.5,
+    Cohere, whose module emits the frequencies repeated in place, ...), or None where neither fits or the function
+    is not found.
 
     Methods that only rewrite ``inv_freq`` work with any layout; a function that rotates q and k itself (the
     position-remapping attention) must use the model's layout or refuse the model."""
