@@ -264,6 +264,10 @@ def tiny_config(model_type: str, overrides: dict[str, Any] | None = None):
         kwargs.update(attention_types=[[layers, 1]], num_layers=len(layers))
         if hasattr(default, "window_size"):
             kwargs["window_size"] = WINDOW
+    if "qk_rope_head_dim" in kwargs:  # multi-head latent attention: the rotary module turns qk_rope_head_dim dims,
+        kwargs.update(head_dim=TINY["qk_rope_head_dim"])  # which DeepSeek-style configs read from head_dim,
+        if "num_key_value_heads" in kwargs:  # and every head has its own key (expanded from the latent)
+            kwargs["num_key_value_heads"] = TINY["num_attention_heads"]
     overrides = dict(overrides or {})
     if "rope" in overrides:
         kwargs.update(_rope_overrides(config_class, default, overrides.pop("rope")))

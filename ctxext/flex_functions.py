@@ -71,7 +71,7 @@ def remap_attention_forward_flex(module, query, key, value, attention_mask, drop
                                          scaling=scaling, is_causal=is_causal, **kwargs)
     if pmap.query_scale is not None:
         query = query * pmap.query_scale(qpos).to(query.dtype)[:, None, :, None]
-    keys = [R.rotate(key, r.key(kpos), inv_freq, att, state.layout) for r in pmap.rotations]
-    queries = [R.rotate(query, r.query(qpos), inv_freq, att, state.layout) for r in pmap.rotations]
+    keys = [R.rotate(key, r.key(kpos), inv_freq, att, state.layout, state.start) for r in pmap.rotations]
+    queries = [R.rotate(query, r.query(qpos), inv_freq, att, state.layout, state.start) for r in pmap.rotations]
     mask = None if attention_mask is None else attention_mask[:, 0]  # converted (> min / 2) in flex_remap
     return flex_remap(pmap, queries, keys, value, qpos, kpos, slots, mask, scaling), None

@@ -75,6 +75,9 @@ class RemapState:
     #: how the model's attention pairs the rotated dims: "half" (rotate_half: Llama, NeoX) or "interleaved"
     #: (every two: GLM, ERNIE 4.5, Cohere), as ``ctxext.adapters.rotary_units.rotation_layout`` reads it
     layout: str = "half"
+    #: the first rotated dim of each head: 0, or where multi-head latent attention (DeepSeek V3) puts its rotary
+    #: part, after the ``qk_nope_head_dim`` dims without positions
+    start: int = 0
     _on_device: dict = field(default_factory=dict, repr=False)
 
     def frequencies(self, device: torch.device) -> torch.Tensor:
@@ -94,11 +97,11 @@ def _rotate_every_two(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0,
-           layout: str = "half") -> torch.Tensor:
+           layout: str = "half", start: int = 0) -> torch.Tensor:
     """RoPE of ``x`` (batch, heads, n, head_dim) at ``positions`` (batch or 1, n), computed as transformers' rotary
     modules and ``apply_rotary_pos_emb`` do (float32 angles, cos/sin times ``scale`` cast to x's dtype); only the
-    first ``2 * len(inv_freq)`` dims are rotated (partial rotary). ``layout``: frequency i turns dims (i, i + d/2)
-    ("half") or (2i, 2i + 1) ("interleaved")."""
+    ``2 * len(inv_freq)`` dims from ``start`` are rotated (partial rotary: the first ones; MLA: the last ones).
+    ``layout``: frequency i turns dims (i, i + d/2) ("half") or (2i, 2i + 1) ("interleaved") of that part."""
     rotary = 2 * inv_freq.numel()
     freqs = positions[..., None].float() * inv_freq
     if layout == "interleaved":
@@ -109,8 +112,8 @@ def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, sca
     sin = (emb.sin() * scale).to(x.dtype)[:, None]
     if rotary == x.shape[-1]:
         return x * cos + turn(x) * sin
-    part = x[..., :rotary]
-    return torch.cat((part * cos + turn(part) * sin, x[..., rotary:]), dim=-1)
+    part = x[..., start:start + rotary]
+    return torch.cat((x[..., :start], part * cos + turn(part) * sin, x[..., start + rotary:]), dim=-1)
 
 
 def _positions(query, attention_mask, q_len, kv_len, kwargs):
@@ -208,8 +211,8 @@ def remap_attention_forward(
     if not eager_only and (farthest < pmap.near or (q_len and int(qpos.amax()) < pmap.plain_below)):
         return sdpa_attention_forward(
             module,
-            rotate(query, qpos, inv_freq, att, state.layout),
-            rotate(key, kpos, inv_freq, att, state.layout),
+            rotate(query, qpos, inv_freq, att, state.layout, state.start),
+            rotate(key, kpos, inv_freq, att, state.layout, state.start),
             value,
             attention_mask,
             dropout=dropout,
@@ -219,8 +222,8 @@ def remap_attention_forward(
         )
 
     rotations = pmap.rotations
-    keys = [rotate(key, r.key(kpos), inv_freq, att, state.layout) for r in rotations]
-    queries = [rotate(query, r.query(qpos), inv_freq, att, state.layout) for r in rotations]
+    keys = [rotate(key, r.key(kpos), inv_freq, att, state.layout, state.start) for r in rotations]
+    queries = [rotate(query, r.query(qpos), inv_freq, att, state.layout, state.start) for r in rotations]
     mask = None if attention_mask is None else _as_bool(attention_mask)[:, 0]  # (B or 1, q_len, kv_len)
     # a long prefill / full pass on CUDA: one block-sparse flex call
     if not eager_only and use_flex(query, dropout, key, value):

@@ -147,6 +147,7 @@ class Dense:
     typed: dict | None = None
     layout: str = "half"  # "interleaved": frequency i turns dims (2i, 2i + 1) instead of (i, i + d/2)
     scale: float = 1.0  # the rotary module's attention_scaling: q and k each multiplied by it (YaRN's temperature)
+    start: int = 0  # the first rotated dim of a head (multi-head latent attention: after its no-position part)
 
     @classmethod
     def forward(cls, module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kw):
@@ -170,8 +171,8 @@ class Dense:
         if cls.typed is not None:
             inv, scale = cls.typed[module.config.layer_types[module.layer_idx]]
         inv = inv.double()
-        rd = 2 * inv.numel()
-        qr, qp = q[..., :rd], q[..., rd:]
+        rd, st = 2 * inv.numel(), cls.start
+        qr, qp = q[..., st:st + rd], torch.cat([q[..., :st], q[..., st + rd:]], -1)
         if cls.layout == "interleaved":
             angle = rel[..., None] * inv.repeat_interleave(2)  # (t, t, rd)
             q_half = torch.stack([-qr[..., 1::2], qr[..., 0::2]], dim=-1).flatten(-2)
@@ -180,7 +181,7 @@ class Dense:
             half = rd // 2
             q_half = torch.cat([-qr[..., half:], qr[..., :half]], dim=-1)
         cos, sin = angle.cos(), angle.sin()
-        kr, kp = key[..., :rd], key[..., rd:]
+        kr, kp = key[..., st:st + rd], torch.cat([key[..., :st], key[..., st + rd:]], -1)
         scores = torch.einsum("bhid,ijd,bhjd->bhij", qr, cos, kr) + torch.einsum("bhid,ijd,bhjd->bhij", q_half, sin,
                                                                                   kr)
         scores = scores + torch.einsum("bhid,bhjd->bhij", qp, kp)
@@ -247,6 +248,8 @@ def _with_dense(model, method, factor, options):
         Dense.typed = {t: (getattr(rotary, f"{t}_original_inv_freq").clone(), float(getattr(rotary,
                            f"{t}_attention_scaling"))) for t in rotary.layer_types}
     Dense.layout = "interleaved" if model.config.model_type in INTERLEAVED else "half"
+    # DeepSeek's MLA: [no-position part, rotary part] per head; its interleaved rope reorders pairs into halves first
+    Dense.start = model.config.qk_nope_head_dim if getattr(model.config, "qk_rope_head_dim", None) else 0
     restore = apply_remap(model, method, factor, options)  # after reading the frequencies: it zeroes them
     return restore, use_attention(model, Dense.name)
 
@@ -623,6 +626,38 @@ def test_attention_layers_of_other_types_are_refused():
 
     with pytest.raises(PatchError, match="chunked_attention"):
         check_remap(census.build_tiny("llama4_text", {"max_position_embeddings": L0}), "self-extend", 4, {})
+
+
+def _mla(interleave: bool):
+    """DeepSeek V3's multi-head latent attention: per head 8 dims without positions then 8 rotary dims (keys from a
+    compressed latent, one rotary key shared by the heads), value heads of 12 dims, neighbour-pair rope reordered
+    into halves (``rope_interleave``) or plain halves."""
+    from ctxext import census
+
+    return census.build_tiny("deepseek_v3", {"max_position_embeddings": L0, "rope_interleave": interleave,
+                                             "head_dim": 8, "v_head_dim": 12, "num_key_value_heads": 4})
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved-rope", "half-rope"])
+@pytest.mark.parametrize("method,factor,options", [SELF_EXTEND, DCA_SMALL, STREAMING],
+                         ids=["self-extend", "dca", "streaming-llm"])
+def test_multi_head_latent_attention_matches_the_dense_reference(interleave, method, factor, options):
+    """MLA rotates the last qk_rope_head_dim dims of each head: the remap turns those (the paper's map, 1e-5 against
+    the dense reference), keeps the others, and decodes with the cache as a full pass."""
+    _matches_dense_changes_and_decodes(_mla(interleave), method, factor, options)
+
+
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved-rope", "half-rope"])
+def test_multi_head_latent_attention_identity_settings_equal_the_unpatched_model(interleave):
+    """Where each dim of a head rotates, and how, is the model's own: identity settings give its logits."""
+    model = _mla(interleave)
+    for method, factor, options in IDENTITY[:3]:
+        for length in (5, 150):
+            ids = _ids(length, seed=length)
+            with torch.no_grad():
+                want = model(ids).logits
+            got = remap_logits(model, method, factor, options, ids)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 def _gemma2(**overrides):

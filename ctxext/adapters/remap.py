@@ -131,6 +131,7 @@ def _checked(model: nn.Module, method: str, factor: float | None, options: dict[
     target = target_length(length, factor)
     _refuse_features(model, target, length)
     _layout(model)
+    _rotary_start(model, 2 * rotation_of(attention[0]).inv_freq.numel())
     rotating = rotating_layers(model, attention)
     if not any(id(m) in rotating and not kept_as_trained(model, m, target) for m in attention):
         raise PatchError(f"{type(model).__name__}: no attention layer both rotates its keys and attends beyond a "
@@ -181,7 +182,7 @@ def _rotations(model: nn.Module, length: int, method: str):
 
 def _layout(model: nn.Module) -> str:
     """How the model pairs its rotated dims ("half" or "interleaved"), which the remap attention follows; a model
-    that rotates in a way the probe does not recognise, or only part of a latent head (MLA), is refused."""
+    that rotates in a way the probe does not recognise is refused."""
     from .rotary_units import rotation_layout
 
     name = type(model).__name__
@@ -189,12 +190,21 @@ def _layout(model: nn.Module) -> str:
     if layout not in ("half", "interleaved"):
         raise PatchError(f"{name} applies rotary positions in a way ctxext does not recognise; the position-"
                          "remapping attention rotates halves (rotate_half) or neighbour pairs: refused")
-    for config in _configs(model):
-        if getattr(config, "qk_rope_head_dim", None):
-            raise PatchError(f"{name} uses multi-head latent attention (rotary on qk_rope_head_dim="
-                             f"{config.qk_rope_head_dim} of each head); the position-remapping attention does not "
-                             "follow it: refused")
     return layout
+
+
+def _rotary_start(model: nn.Module, rotary_dims: int) -> int:
+    """The first rotated dim of each query / key head: 0 (a rotary part first, if partial), or, with multi-head
+    latent attention (DeepSeek V3 and relatives: ``qk_rope_head_dim``), after its ``qk_nope_head_dim`` dims without
+    positions, as its attention concatenates [no-position part, rotary part]."""
+    for config in _configs(model):
+        rope = getattr(config, "qk_rope_head_dim", None)
+        if rope:
+            if rope != rotary_dims:
+                raise PatchError(f"{type(model).__name__}: qk_rope_head_dim={rope} but its rotary module turns "
+                                 f"{rotary_dims} dims; ctxext does not know this layout: refused")
+            return int(getattr(config, "qk_nope_head_dim", 0) or 0)
+    return 0
 
 
 def apply_remap(model: nn.Module, method: str, factor: float | None, options: dict[str, Any],
@@ -219,11 +229,12 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
         for module in attention:
             kept = identity_map(method, pmap.options) if kept_as_trained(model, module, target) else pmap
             inv_freq, scaling = states[id(module)]
+            start = _rotary_start(model, 2 * inv_freq.numel())
             if id(module) in rotating:
-                state = RemapState(kept, inv_freq, scaling, layout)
+                state = RemapState(kept, inv_freq, scaling, layout, start)
             else:  # a layer without rotary positions: the map's mask only (no rotation, no query scaling)
                 state = RemapState(dataclasses.replace(kept, query_scale=None), torch.zeros_like(inv_freq), 1.0,
-                                   layout)
+                                   layout, start)
             setattr(module, STATE_ATTR, state)
             undo.append(functools.partial(_drop_state, module))
         undo.append(use_attention(model, REMAP))

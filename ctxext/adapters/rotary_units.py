@@ -421,31 +421,45 @@ def rotation_layout(model: nn.Module) -> str | None:
     is not found.
 
     Methods that only rewrite ``inv_freq`` work with any layout; a function that rotates q and k itself (the
-    position-remapping attention) must use the model's layout or refuse the model."""
+    position-remapping attention) must use the model's layout or refuse the model.
+
+    The rotation is read as applied after whatever the function does at angle zero: DeepSeek's
+    ``apply_rotary_pos_emb_interleave`` reorders neighbour pairs into halves and rotates those, so what reaches the
+    attention function of an identity-rotated model is already in halves order, and "half" is how it turns. Where
+    the modeling code has both that function and ``apply_rotary_pos_emb`` (chosen by a config flag), both must
+    agree."""
     import sys
 
     functions = set()
     for module in model.modules():
         if hasattr(module, "layer_idx") and hasattr(module, "is_causal"):
-            fn = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
-            if callable(fn):
-                functions.add(fn)
-    if len(functions) != 1:
+            namespace = sys.modules.get(type(module).__module__)
+            for name in ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave"):
+                fn = getattr(namespace, name, None)
+                if callable(fn):
+                    functions.add(fn)
+    if not functions or len({getattr(f, "__module__", None) for f in functions}) != 1:
         return None
-    (fn,) = functions
+    form = _emitted_form(model)
+    layouts = {_layout_of(fn, form) for fn in functions}
+    return layouts.pop() if len(layouts) == 1 else None
+
+
+def _layout_of(fn, form: str) -> str | None:
+    """The layout ``fn`` (an ``apply_rotary_pos_emb``) rotates by, on cos/sin emitted in ``form``."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(1, 1, 3, 8, generator=generator)
     k = torch.randn(1, 1, 3, 8, generator=generator)
     freqs = torch.outer(torch.tensor([1.0, 2.0, 5.0]), torch.tensor([1.0, 0.3, 0.1, 0.01]))
     halves = torch.cat((freqs, freqs), dim=-1)[None]  # (1, seq, dim)
-    emb = {"interleaved": freqs.repeat_interleave(2, dim=-1)[None], "once": freqs[None]}.get(_emitted_form(model),
-                                                                                              halves)
+    emb = {"interleaved": freqs.repeat_interleave(2, dim=-1)[None], "once": freqs[None]}.get(form, halves)
     try:
         rq, rk = fn(q, k, emb.cos(), emb.sin())[:2]
+        q0, k0 = fn(q, k, torch.ones_like(emb), torch.zeros_like(emb))[:2]  # angle zero: its reordering, if any
     except Exception:
         return None
     c, s_ = halves.cos()[:, None], halves.sin()[:, None]  # the rotations below read the two-halves form
     for name, rotate in (("half", _half_rotation), ("interleaved", _interleaved_rotation)):
-        if torch.allclose(rq, rotate(q, c, s_), atol=1e-6) and torch.allclose(rk, rotate(k, c, s_), atol=1e-6):
+        if torch.allclose(rq, rotate(q0, c, s_), atol=1e-6) and torch.allclose(rk, rotate(k0, c, s_), atol=1e-6):
             return name
     return None
