@@ -261,6 +261,9 @@ def attention_features(model: nn.Module) -> str | None:
     name), so they are honoured."""
     name = type(model).__name__
     for config in _configs(model):
+        if "indexed_attention" in (getattr(config, "layer_types", None) or []):
+            return (f"{name} has sparse indexed attention layers (an indexer picks the keys each query sees, passed "
+                    "as `indices`), which the swapped-in attention does not follow")
         cap = getattr(config, "attn_logit_softcapping", None)
         if cap:
             return (f"{name} soft-caps its attention logits (attn_logit_softcapping={cap}), which the swapped-in "

@@ -197,6 +197,19 @@ def test_alibi_swap_refuses_soft_capping_and_leaves_the_model_alone():
     ctxext.patch(census.build_tiny("gemma2", {"attn_logit_softcapping": None}), "alibi")
 
 
+def test_alibi_swap_refuses_sparse_indexed_attention():
+    """DeepSeek V3.2's indexer passes the keys each query may see (``indices``): the ALiBi swap would drop them, so
+    it is refused at patch time (it used to fail only in the forward pass)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers.models.deepseek_v32") is None:
+        pytest.skip("this transformers has no DeepSeek V3.2")
+    model = census.build_tiny("deepseek_v32")
+    with pytest.raises(PatchError, match="sparse indexed attention"):
+        ctxext.patch(model, "alibi")
+    assert ctxext.describe(model) is None
+
+
 def test_alibi_swap_refuses_learned_sinks():
     pytest.importorskip("transformers.models.gpt_oss")
     from ctxext.attention import attention_features
