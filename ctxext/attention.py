@@ -260,10 +260,11 @@ def attention_features(model: nn.Module) -> str | None:
     builds them into the attention mask the function receives (the mask function is registered under the same
     name), so they are honoured."""
     name = type(model).__name__
+    for module_name, module in model.named_modules():  # by structure: the layer type's name differs by release
+        if hasattr(module, "layer_idx") and isinstance(getattr(module, "indexer", None), nn.Module):
+            return (f"{name} has sparse indexed attention ({module_name}.indexer picks the keys each query sees, "
+                    "passed as `indices`), which the swapped-in attention does not follow")
     for config in _configs(model):
-        if "indexed_attention" in (getattr(config, "layer_types", None) or []):
-            return (f"{name} has sparse indexed attention layers (an indexer picks the keys each query sees, passed "
-                    "as `indices`), which the swapped-in attention does not follow")
         cap = getattr(config, "attn_logit_softcapping", None)
         if cap:
             return (f"{name} soft-caps its attention logits (attn_logit_softcapping={cap}), which the swapped-in "
