@@ -290,8 +290,10 @@ def use_attention(model: nn.Module, name: str = ALIBI):
     their adapter checks (``ctxext.adapters.remap``), so only the dispatch is checked for them."""
     if name == ALIBI:
         require_attention(model)
-    elif can_use_attention(model):
-        raise PatchError(f"cannot use attention {name!r}: {can_use_attention(model)}")
+    else:
+        reason = can_use_attention(model)
+        if reason:
+            raise PatchError(f"cannot use attention {name!r}: {reason}")
     before = [(config, config._attn_implementation_internal) for config in _configs(model)]
 
     def restore():

@@ -226,10 +226,10 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
             with torch.no_grad():
                 unit.inv_freq.zero_()  # identity rotation: the remap attention rotates q and k itself
             unit.attention_scaling = 1.0
+        start = _rotary_start(model, 2 * states[id(attention[0])][0].numel())
         for module in attention:
             kept = identity_map(method, pmap.options) if kept_as_trained(model, module, target) else pmap
             inv_freq, scaling = states[id(module)]
-            start = _rotary_start(model, 2 * inv_freq.numel())
             if id(module) in rotating:
                 state = RemapState(kept, inv_freq, scaling, layout, start)
             else:  # a layer without rotary positions: the map's mask only (no rotation, no query scaling)
