@@ -48,3 +48,14 @@ def describe(model: nn.Module) -> dict[str, Any] | None:
     """The active patch spec as a dict, or None if the model is not patched."""
     active = getattr(base_model(model, "ctxext.describe"), ACTIVE, None)
     return copy.deepcopy(active.spec.to_dict()) if active is not None else None
+
+
+def pickle_refusal(spec: Any = None) -> PatchError:
+    """The error a pickle (``pickle.dumps``, ``torch.save``) of a patched model raises: what the live patch holds
+    (undo functions, module-level dispatchers) does not survive a pickle; ``save_pretrained`` saves the patch."""
+    what = f" ({spec.method}, factor {spec.factor})" if spec is not None and hasattr(spec, "method") else ""
+    return PatchError(
+        f"this model is patched by ctxext{what}, and a patched model cannot be pickled (pickle.dumps, torch.save, "
+        "copying to another process): save it with model.save_pretrained(dir) and load it with "
+        "ctxext.from_pretrained(dir), or call ctxext.unpatch(model) first (copy.deepcopy works on a patched model)"
+    )

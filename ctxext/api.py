@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from dataclasses import dataclass
 from typing import Any
@@ -10,15 +11,33 @@ from typing import Any
 from torch import nn
 
 from .adapters import ADAPTERS, find_adapter
-from .adapters.base import Restore, run_all
+from .adapters.base import Restore, copy_restore, run_all
 from .active import ACTIVE as _ACTIVE
 from .active import base_model, describe, require_transformers_model  # base_model, describe: public here too
+from .active import pickle_refusal
 from .errors import PatchError
 from .registry import METHODS, resolve_method, validate_factor, validate_options
 from .spec import CONFIG_KEY, SAVED_AS_KEY, PatchSpec, install_save_mark, unmark_live_config
 
-# A config attribute that did not exist before the patch (BLOOM has no length attribute): unpatch deletes it.
-_MISSING = object()
+
+class _Missing:
+    """The value recorded for a config attribute that did not exist before the patch (BLOOM has no length
+    attribute): unpatch deletes it. One object, kept as it is by copies and pickles (compared with ``is``)."""
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+    def __copy__(self) -> _Missing:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> _Missing:
+        return self
+
+    def __reduce__(self) -> str:
+        return "_MISSING"
+
+
+_MISSING = _Missing()
 
 
 def _set_config(config: Any, key: str, value: Any) -> None:
@@ -31,9 +50,31 @@ def _set_config(config: Any, key: str, value: Any) -> None:
 
 @dataclass
 class _ActivePatch:
+    """The live patch on a model (its ``_ctxext_active`` attribute): the spec, the undo tree and the config values
+    the patch changed.
+
+    ``copy.deepcopy(model)`` copies it through the model's memo (``__deepcopy__``): the undo tree then acts on the
+    copy's modules, tensors and configs, so the copy is an independent patched model (``copy_restore``). Pickling
+    it (``pickle.dumps(model)``, ``torch.save(model)``) raises ``PatchError`` saying how to save a patched model:
+    the undo tree holds functions, and module-level dispatchers that a pickle cannot carry."""
+
     spec: PatchSpec
     restore: Restore
     config_before: dict[str, Any]
+
+    def __deepcopy__(self, memo: dict) -> _ActivePatch:
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.spec = copy.deepcopy(self.spec, memo)
+        new.config_before = copy.deepcopy(self.config_before, memo)
+        new.restore = copy_restore(self.restore, memo)
+        return new
+
+    def __copy__(self) -> _ActivePatch:
+        return type(self)(self.spec, self.restore, self.config_before)
+
+    def __reduce_ex__(self, protocol):
+        raise pickle_refusal(self.spec)
 
 
 #: A config that records a spec is saved marked (see ctxext.spec); installed once, at import.

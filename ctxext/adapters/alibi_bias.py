@@ -34,7 +34,7 @@ from torch import nn
 
 from ..methods.remap import REMAP_METHODS
 from ..spec import PatchSpec
-from .base import Adapter, Restore, acquire_module_function, run_all
+from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, run_all
 from .bloom import _active_transform, _hooks
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -45,11 +45,15 @@ MPT_METHOD = "build_mpt_alibi_tensor"
 NOT_ROTARY = {m: "not rotary (ALiBi biases)" for m in ("ntk", "dynamic-ntk", "yarn", "llama3", *REMAP_METHODS)}
 
 
+def _divided(bias: torch.Tensor, factor: float) -> torch.Tensor:
+    return bias / factor
+
+
 def bias_transform(spec: PatchSpec) -> Transform | None:
-    """How a patch changes a built ALiBi tensor (None: unchanged)."""
+    """How a patch changes a built ALiBi tensor (None: unchanged). Module-level functions (a partial), which a deep
+    copy and a pickle of the patched model keep as they are."""
     if spec.method == "pi":
-        factor = float(spec.factor)
-        return lambda bias: bias / factor
+        return functools.partial(_divided, factor=float(spec.factor))
     if spec.method == "nope":
         return torch.zeros_like
     return None  # extrapolate
@@ -87,14 +91,21 @@ class MptAdapter(_AlibiBiasAdapter):
         if transform is None:
             return lambda: None
         owner = mpt_owner(model)
-        original = getattr(owner, MPT_METHOD)
-
-        @functools.wraps(original)
-        def build_mpt_alibi_tensor(*args, **kwargs):
-            return transform(original(*args, **kwargs))
-
-        setattr(owner, MPT_METHOD, build_mpt_alibi_tensor)
+        setattr(owner, MPT_METHOD, _Transformed(getattr(owner, MPT_METHOD), transform))
         return lambda: owner.__dict__.pop(MPT_METHOD, None)
+
+
+class _Transformed:
+    """Stands in for a method that builds an ALiBi tensor: the original, then ``transform``. An object holding the
+    original bound method, not a closure, so that a deep copy of the model calls its own (and it pickles)."""
+
+    def __init__(self, original, transform: Transform):
+        self.original = original
+        self.transform = transform
+        functools.update_wrapper(self, original, assigned=WRAPPED_NAMES, updated=())
+
+    def __call__(self, *args, **kwargs):
+        return self.transform(self.original(*args, **kwargs))
 
 
 # -- Falcon with ALiBi -----------------------------------------------------------------------------------------------

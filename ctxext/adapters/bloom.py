@@ -47,7 +47,7 @@ from torch import nn
 from ..methods import alibi
 from ..methods.remap import REMAP_METHODS
 from ..spec import PatchSpec
-from .base import Adapter, Restore, acquire_module_function, run_all
+from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, run_all
 
 #: The sequence length all BLOOM checkpoints were trained with.
 BLOOM_TRAINING_LENGTH = 2048
@@ -100,41 +100,57 @@ def alibi_owner(model: nn.Module) -> tuple[nn.Module, object | None] | None:
     return None
 
 
+class _SlopesFromPositions:
+    """Stands in for the owner's ``build_alibi_tensor`` (see ``_wrap_build_alibi_tensor``). An object holding the
+    original bound method, not a closure, so that a deep copy of the model calls its own (and it pickles)."""
+
+    def __init__(self, original, transform: SlopeTransform):
+        self.original = original
+        self.transform = transform
+        functools.update_wrapper(self, original, assigned=WRAPPED_NAMES, updated=())
+
+    def __call__(self, attention_mask, num_heads, dtype, *args, **kwargs):
+        base = self.original(attention_mask, num_heads, torch.float32, *args, **kwargs)
+        slopes = alibi.alibi_slopes(num_heads).to(base.device)
+        batch = base.shape[0] // num_heads
+        per_head = base.reshape(batch, num_heads, *base.shape[1:])
+        positions = torch.round(per_head / slopes.view(1, num_heads, *([1] * (per_head.dim() - 2))))
+        new_slopes = self.transform(slopes).view(1, num_heads, *([1] * (per_head.dim() - 2)))
+        return (new_slopes * positions).reshape(base.shape).to(dtype)
+
+
 def _wrap_build_alibi_tensor(owner: nn.Module, transform: SlopeTransform) -> Restore:
     """Hook point where the modeling module has no slope function: the owner's ``build_alibi_tensor`` method.
 
     BLOOM's tensor is ``slopes[h] * position`` (float32, then cast), shape (batch * heads, 1, keys). The wrapper
     takes the float32 tensor from the original, divides by the original slopes and rounds to get the (integer)
     positions back exactly, and multiplies them by the transformed slopes."""
-    original = owner.build_alibi_tensor
-
-    @functools.wraps(original)
-    def build_alibi_tensor(attention_mask, num_heads, dtype, *args, **kwargs):
-        base = original(attention_mask, num_heads, torch.float32, *args, **kwargs)
-        slopes = alibi.alibi_slopes(num_heads).to(base.device)
-        batch = base.shape[0] // num_heads
-        per_head = base.reshape(batch, num_heads, *base.shape[1:])
-        positions = torch.round(per_head / slopes.view(1, num_heads, *([1] * (per_head.dim() - 2))))
-        new_slopes = transform(slopes).view(1, num_heads, *([1] * (per_head.dim() - 2)))
-        return (new_slopes * positions).reshape(base.shape).to(dtype)
-
-    owner.build_alibi_tensor = build_alibi_tensor
+    owner.build_alibi_tensor = _SlopesFromPositions(owner.build_alibi_tensor, transform)
     return lambda: owner.__dict__.pop("build_alibi_tensor", None)
 
 
-def _hooks(owner: nn.Module, transform: SlopeTransform) -> Restore:
-    tokens = []
+class _TransformScope:
+    """Forward hooks on the owner that make ``transform`` the active one during its forward pass (the dispatchers
+    read it). Bound methods of an object, not closures: a deep copy of the model gets hooks of its own (and they
+    pickle)."""
 
-    def enter(module, args, kwargs):
-        tokens.append(_active_transform.set(transform))
+    def __init__(self, transform):
+        self.transform = transform
+        self.tokens: list = []
 
-    def leave(module, args, kwargs, output):
-        if tokens:
-            _active_transform.reset(tokens.pop())
+    def enter(self, module, args, kwargs):
+        self.tokens.append(_active_transform.set(self.transform))
 
+    def leave(self, module, args, kwargs, output):
+        if self.tokens:
+            _active_transform.reset(self.tokens.pop())
+
+
+def _hooks(owner: nn.Module, transform) -> Restore:
+    scope = _TransformScope(transform)
     handles = [
-        owner.register_forward_pre_hook(enter, with_kwargs=True),
-        owner.register_forward_hook(leave, with_kwargs=True, always_call=True),
+        owner.register_forward_pre_hook(scope.enter, with_kwargs=True),
+        owner.register_forward_hook(scope.leave, with_kwargs=True, always_call=True),
     ]
 
     def remove():

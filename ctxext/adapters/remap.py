@@ -19,6 +19,7 @@ The integration surface for the registry and the rotary adapter:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from typing import Any
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..active import pickle_refusal
 from ..attention import can_use_attention, use_attention
 from ..errors import PatchError
 from ..methods.remap import REMAP_METHODS, PositionMap, build_map, identity_map, target_length
@@ -231,10 +233,10 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
             kept = identity_map(method, pmap.options) if kept_as_trained(model, module, target) else pmap
             inv_freq, scaling = states[id(module)]
             if id(module) in rotating:
-                state = RemapState(kept, inv_freq, scaling, layout, start)
+                state = _LiveRemapState(kept, inv_freq, scaling, layout, start)
             else:  # a layer without rotary positions: the map's mask only (no rotation, no query scaling)
-                state = RemapState(dataclasses.replace(kept, query_scale=None), torch.zeros_like(inv_freq), 1.0,
-                                   layout, start)
+                state = _LiveRemapState(dataclasses.replace(kept, query_scale=None), torch.zeros_like(inv_freq), 1.0,
+                                        layout, start)
             setattr(module, STATE_ATTR, state)
             undo.append(functools.partial(_drop_state, module))
         undo.append(use_attention(model, REMAP))
@@ -282,6 +284,21 @@ def rotating_layers(model: nn.Module, modules: list[nn.Module]) -> set[int]:
                 torch.linalg.vector_norm(a - b) > 0.1 * torch.linalg.vector_norm(a) for a, b in zip(first, second)):
             rotating.add(ident)
     return rotating
+
+
+class _LiveRemapState(RemapState):
+    """The ``RemapState`` a patch stashes on an attention module. A deep copy of the model copies it (the map's
+    functions shared: they hold only numbers); a pickle of the model raises the ``PatchError`` that says how to save
+    a patched model (the map's functions are local ones, which a pickle cannot carry)."""
+
+    def __deepcopy__(self, memo: dict) -> _LiveRemapState:
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return new
+
+    def __reduce_ex__(self, protocol):
+        raise pickle_refusal()
 
 
 def _drop_state(module: nn.Module) -> None:

@@ -29,7 +29,7 @@ from ..errors import PatchError
 from ..methods import nope, rope
 from ..methods.remap import REMAP_METHODS
 from ..spec import PatchSpec
-from .base import Adapter, Restore, run_all
+from .base import WRAPPED_NAMES, Adapter, Restore, run_all
 from .rotary_units import RotaryUnit, _unit_saver, rotary_units, unit_inputs, unread_surface
 
 #: Static methods: spec.method -> function(RopeInputs, factor, **options) -> (inv_freq, attention_factor).
@@ -121,16 +121,25 @@ def planned_generate_length(model: nn.Module, args: tuple, kwargs: dict) -> int 
     return max(prompt, int(max_length)) if max_length is not None else prompt
 
 
+class _PassMarks:
+    """Forward hooks on the model marking where each of its forward passes starts and ends (see ``DynamicNTKHook``).
+    Bound methods of an object, not closures: a deep copy of the model gets hooks that mark its own sequence."""
+
+    def __init__(self, sequence: SequenceScale):
+        self.sequence = sequence
+
+    def started(self, module, args):
+        self.sequence.pass_state = "start"
+
+    def ended(self, module, args, output):
+        self.sequence.pass_state = None
+
+
 def _mark_model_passes(model: nn.Module, sequence: SequenceScale) -> Restore:
     """Tell the dynamic hooks where each forward pass of ``model`` starts and ends (see ``DynamicNTKHook``)."""
-
-    def started(module, args):
-        sequence.pass_state = "start"
-
-    def ended(module, args, output):
-        sequence.pass_state = None
-
-    handles = [model.register_forward_pre_hook(started), model.register_forward_hook(ended, always_call=True)]
+    marks = _PassMarks(sequence)
+    handles = [model.register_forward_pre_hook(marks.started),
+               model.register_forward_hook(marks.ended, always_call=True)]
     return lambda: [handle.remove() for handle in handles]
 
 
@@ -148,19 +157,27 @@ def _plan_length(model: nn.Module, length: int | None) -> Restore | None:
     return forget
 
 
-def _wrap_generate(model: nn.Module) -> Restore:
-    original = model.generate
+class _PlannedGenerate:
+    """Stands in for ``model.generate`` while dynamic-NTK patched: plans the sequence's total length (prompt + new
+    tokens) for the model's dynamic hooks, then runs the original. An object holding the model and the original
+    bound method, not a closure, so that a deep copy of the model plans and generates with itself (and it pickles)."""
 
-    @functools.wraps(original)
-    def generate(*args, **kwargs):
-        forget = _plan_length(model, planned_generate_length(model, args, kwargs))
+    def __init__(self, model: nn.Module, original):
+        self.model = model
+        self.original = original
+        functools.update_wrapper(self, original, assigned=WRAPPED_NAMES, updated=())
+
+    def __call__(self, *args, **kwargs):
+        forget = _plan_length(self.model, planned_generate_length(self.model, args, kwargs))
         try:
-            return original(*args, **kwargs)
+            return self.original(*args, **kwargs)
         finally:
             if forget is not None:
                 forget()
 
-    model.generate = generate
+
+def _wrap_generate(model: nn.Module) -> Restore:
+    model.generate = _PlannedGenerate(model, model.generate)
     return lambda: model.__dict__.pop("generate", None)
 
 
