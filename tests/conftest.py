@@ -168,3 +168,18 @@ def smollm2_gguf() -> Path:
         pytest.skip(f"{SMOLLM2_TOOL} not found: the slow SmolLM2 tests need the project's shared tools")
     out = subprocess.run(["bash", str(SMOLLM2_TOOL)], capture_output=True, text=True, check=True).stdout
     return Path(out.strip().splitlines()[-1])
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """ctxext's own cache (lm-eval's task-name index) goes to a folder of this test session, not the user's home."""
+    import os
+
+    if "CTXEXT_CACHE_DIR" in os.environ:
+        yield
+        return
+    os.environ["CTXEXT_CACHE_DIR"] = str(tmp_path_factory.mktemp("ctxext-cache"))
+    try:
+        yield
+    finally:
+        os.environ.pop("CTXEXT_CACHE_DIR", None)

@@ -138,8 +138,11 @@ API_CASES = [c for c in CASES if c[2] == [] and c[0] != "method-does-not-fit-fam
 
 @pytest.mark.parametrize("model_args,expect", [(c[1], c[3]) for c in API_CASES], ids=[c[0] for c in API_CASES])
 def test_python_api_refuses_with_the_same_message(models, monkeypatch, model_args, expect):
+    import functools
+
     import ctxext.lm_eval_model as m
 
+    @functools.wraps(m.HFLM.__init__)  # its signature stays: the accepted model_args are read from it
     def no_load(*args, **kwargs):  # nothing may load before the checks pass
         raise AssertionError("the model loaded before its arguments were checked")
 

@@ -7,15 +7,23 @@ every remaining argument to lm-eval's own command line:
     ctxext lm-eval --model ctxext --model_args pretrained=DIR,method=yarn,factor=4 --tasks TASKS
     python -m ctxext lm-eval ...        (same, without the console script)
 
-Bad input is refused before lm-eval loads any task (which alone takes from seconds to minutes): lm-eval's own
-argument parser runs first, then :func:`precheck` (``--tasks``, ``--include_path``, and for ``--model ctxext``
-the model_args, the model's source and whether the method fits the model's family, on a weightless skeleton).
+Bad input is refused before lm-eval loads any model or task (which alone takes from seconds to minutes), as
+`ctxext eval` refuses its own: one ``ctxext lm-eval: error: ...`` line, exit code 2. First the ``--model_args``
+items as written (an item without ``=``, a key given twice: lm-eval would keep the last), then lm-eval's own
+argument parser, then :func:`precheck`: ``--tasks``, ``--include_path``, for ``--model ctxext`` the model_args
+(:func:`ctxext.lm_eval_model.check_model_args`: unknown keys, empty values, dtypes, method, factor, options), the
+model's source and whether the method fits the model's family (on a weightless skeleton), and last the task names,
+against lm-eval's own task index (no task data loads). Indexing lm-eval's ~14,000 task YAML files takes 15-20 s on a
+2-core machine, so the names are cached per lm-eval installation (:func:`task_names`); the first run's index is
+the one lm-eval then uses (:func:`index_built_once`), so it is built once either way.
 With no arguments it prints its usage and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 
 
@@ -62,6 +70,8 @@ def run(args) -> int:
 
     if argv[0] in ("-h", "--help"):
         print(HELP)
+    elif not {"-h", "--help"} & set(argv):
+        check_model_args_tokens(argv)
     saved = sys.argv
     sys.argv = ["lm-eval"] + argv  # lm-eval's parser reads sys.argv
     try:
@@ -84,19 +94,66 @@ def _lm_eval_main() -> None:
         return
     parser = HarnessCLI()
     parsed = parser.parse_args()  # lm-eval's own usage errors (exit 2) and --help (exit 0) come first
-    if getattr(parsed, "command", None) == "run":
-        precheck(parsed)  # then ours, before any task loads
-    setup_logging()
-    parser.execute(parsed)
+    with index_built_once():  # the task index our check builds (cold cache) is the one lm-eval then uses
+        if getattr(parsed, "command", None) == "run":
+            precheck(parsed)  # then ours, before any model or task loads
+        setup_logging()
+        parser.execute(parsed)
+
+
+def _model_args_tokens(argv: list[str]) -> list[str]:
+    """The values given to lm-eval's ``--model_args`` / ``-a`` (``nargs="+"``: every following token up to the next
+    option), in the forms people write; an unusual spelling is left to lm-eval's parser."""
+    tokens, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--":
+            break
+        if arg in ("--model_args", "-a"):
+            i += 1
+            while i < len(argv) and not argv[i].startswith("-"):
+                tokens.append(argv[i])
+                i += 1
+            continue
+        if arg.startswith("--model_args="):
+            tokens.append(arg.split("=", 1)[1])
+        i += 1
+    return tokens
+
+
+def check_model_args_tokens(argv: list[str]) -> None:
+    """Refuse a ``--model_args`` item without ``=`` or with no key, and a key given twice (in one value or across
+    several ``--model_args``), before lm-eval's parser merges them (it keeps the last value of a repeated key)."""
+    import json
+
+    from ..lm_eval_model import check_model_args_items
+
+    if argv and argv[0] in ("ls", "validate"):
+        return
+    try:
+        from lm_eval._cli.utils import split_top_level  # how lm-eval splits key=value,key=value
+    except ImportError:  # pragma: no cover - older lm-eval
+        def split_top_level(text):
+            return text.split(",")
+    items: list[str] = []
+    for token in _model_args_tokens(argv):
+        if token.lstrip().startswith("{"):  # JSON: lm-eval parses it (and reports bad JSON) itself
+            try:
+                pairs = json.loads(token, object_pairs_hook=lambda kv: kv)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(pairs, list):
+                items += [f"{k}={json.dumps(v)}" for k, v in pairs]
+            continue
+        items += split_top_level(token)
+    check_model_args_items(items)
 
 
 def precheck(parsed) -> None:
-    """Refuse bad input to `lm-eval run` before any task loads (task indexing alone takes a minute or more):
-    the settings as lm-eval itself merges them (``--config`` YAML, then the command line), ``--tasks`` and
-    ``--include_path``, and for ``--model ctxext`` its model_args (see
-    :func:`ctxext.lm_eval_model.check_model_args`), the model's source, and whether the method fits its family."""
-    import argparse
-    import contextlib
+    """Refuse bad input to `lm-eval run` before any model or task loads: the settings as lm-eval itself merges
+    them (``--config`` YAML, then the command line), ``--tasks`` and ``--include_path``, for ``--model ctxext`` its
+    model_args (see :func:`ctxext.lm_eval_model.check_model_args`), the model's source, and whether the method fits
+    its family; then the task names (:func:`check_tasks`)."""
     import io
     import logging
     from pathlib import Path
@@ -112,6 +169,7 @@ def precheck(parsed) -> None:
         from lm_eval.config.evaluate_config import EvaluatorConfig
     except ImportError:  # pragma: no cover - lm-eval < 0.4.9 has no config object; check what the CLI gave
         model, model_args = getattr(parsed, "model", None), getattr(parsed, "model_args", None) or {}
+        tasks, include = parsed.tasks, include
     else:
         copy = argparse.Namespace(**{k: dict(v) if isinstance(v, dict) else v for k, v in vars(parsed).items()})
         quiet = io.StringIO()
@@ -125,15 +183,16 @@ def precheck(parsed) -> None:
         finally:
             logging.disable(disabled)
         model, model_args = cfg.model, cfg.model_args or {}
-    if model != "ctxext":
-        return
-    if isinstance(model_args, str):
-        from lm_eval.utils import simple_parse_args_string
+        tasks, include = cfg.tasks, cfg.include_path
+    if model == "ctxext":
+        if isinstance(model_args, str):
+            from lm_eval.utils import simple_parse_args_string
 
-        model_args = simple_parse_args_string(model_args)
-    checked = check_model_args(model_args)
-    if checked["method"] is not None:
-        check_fits(model_args, checked)
+            model_args = simple_parse_args_string(model_args)
+        checked = check_model_args(model_args)
+        if checked["method"] is not None:
+            check_fits(model_args, checked)
+    check_tasks(tasks, include)  # last: on a cold cache it indexes lm-eval's task files
 
 
 def check_fits(model_args: dict, checked: dict) -> None:
@@ -144,3 +203,151 @@ def check_fits(model_args: dict, checked: dict) -> None:
     kwargs = {k: model_args[k] for k in ("revision", "trust_remote_code") if model_args.get(k) is not None}
     skeleton = model_skeleton(str(model_args["pretrained"]), gguf_file=model_args.get("gguf_file") or None, **kwargs)
     build_spec(skeleton, checked["method"], checked["factor"], **checked["options"])
+
+
+def check_tasks(tasks, include_path) -> None:
+    """Refuse task names that lm-eval's task index does not hold, as lm-eval's own ``process_tasks`` would (names
+    and glob patterns against every task, group and tag; ``.yaml`` paths and globs must match a file; a single
+    directory is lm-eval's to read), but before anything else of lm-eval's runs, and with suggestions."""
+    import glob
+    import difflib
+    from pathlib import Path
+
+    try:
+        from lm_eval.utils import pattern_match
+    except ImportError:  # pragma: no cover
+        import fnmatch
+
+        def pattern_match(patterns, names):
+            return sorted({n for p in patterns for n in fnmatch.filter(names, p)})
+
+    specs = tasks.split(",") if isinstance(tasks, str) else [
+        part for task in tasks or [] for part in (task.split(",") if isinstance(task, str) else [task])]
+    specs = [s.strip() if isinstance(s, str) else s for s in specs]
+    if not any(isinstance(s, str) for s in specs):
+        return  # task configs written out in a --config YAML: lm-eval checks those
+    if include_path and not Path(str(include_path)).expanduser().exists():
+        raise FileNotFoundError(f"include_path: not found: {include_path}")
+    files = [s for s in specs if isinstance(s, str) and s.endswith(".yaml")]
+    for spec in files:
+        if not glob.glob(str(Path(spec).expanduser())):
+            raise FileNotFoundError(f"--tasks: no task file matches {spec}")
+    names_needed = [s for s in specs if isinstance(s, str) and not s.endswith(".yaml")]
+    if not names_needed:
+        return
+    names = task_names(include_path)
+    if len(specs) == 1 and Path(names_needed[0]).expanduser().is_dir() and not pattern_match(names_needed, names):
+        return  # a folder of task YAML files, which lm-eval reads itself
+    missing = [s for s in names_needed if not pattern_match([s], names)]
+    if not missing:
+        return
+    parts = []
+    for spec in missing:
+        close = difflib.get_close_matches(spec, names, n=3, cutoff=0.75)
+        parts.append(repr(spec) + (f" (did you mean {' or '.join(close)}?)" if close else ""))
+    where = "lm-eval's task index" + (f" or --include_path {include_path}" if include_path else "")
+    raise ValueError(f"--tasks: unknown task(s) {', '.join(parts)}: not in {where} "
+                     f"({len(names)} tasks, groups and tags; `ctxext lm-eval ls tasks` lists them)")
+
+
+def task_names(include_path=None) -> list[str]:
+    """Every task, group and tag name lm-eval's ``TaskManager`` knows (its index of task YAML files: no task or
+    data loads), with ``include_path``'s. The names of lm-eval's own task folder are cached in
+    ``$CTXEXT_CACHE_DIR`` (default ``~/.cache/ctxext``), keyed by the lm-eval version and the path, size and
+    modification time of every YAML file there (about 0.2 s to read for ~14,000 files), so a changed or reinstalled
+    lm-eval is indexed afresh; where the cache cannot be written, each run indexes (15-20 s on a 2-core machine)."""
+    import hashlib
+    import importlib.metadata
+    import inspect
+    import json
+    from pathlib import Path
+
+    from lm_eval.tasks import TaskManager
+
+    folder = Path(inspect.getfile(TaskManager)).parent  # what TaskManager indexes by default
+    try:
+        version = importlib.metadata.version("lm_eval")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover
+        version = "unknown"
+    digest = hashlib.sha256(f"{version}\n{folder.resolve()}\n".encode())
+    for directory, subdirs, files in os.walk(folder):
+        subdirs.sort()
+        for name in sorted(files):
+            if name.endswith(".yaml"):
+                path = os.path.join(directory, name)
+                try:
+                    stat = os.stat(path)
+                except OSError:
+                    continue
+                digest.update(f"{path}\t{stat.st_size}\t{stat.st_mtime_ns}\n".encode())
+    cache = _cache_dir() / f"lm_eval_tasks-{version}-{digest.hexdigest()[:20]}.json"
+    try:
+        names = json.loads(cache.read_text())
+        if not isinstance(names, list):
+            raise ValueError("not a list")
+    except (OSError, ValueError):
+        names = list(TaskManager().all_tasks)
+        _write_atomically(cache, json.dumps(names))
+    if include_path:
+        names = sorted(set(names) | set(TaskManager(include_path=include_path, include_defaults=False).all_tasks))
+    return names
+
+
+def _cache_dir():
+    from pathlib import Path
+
+    if os.environ.get("CTXEXT_CACHE_DIR"):
+        return Path(os.environ["CTXEXT_CACHE_DIR"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ctxext"
+
+
+def _write_atomically(path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file beside it; a cache that cannot be written is skipped."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+
+
+@contextlib.contextmanager
+def index_built_once():
+    """Within the block, lm-eval's task index (``TaskIndex.build``, what ``TaskManager()`` spends its time on) is
+    built once per folder: the index that :func:`check_tasks` builds on a cold cache is the one lm-eval's run then
+    uses, instead of a second 15-20 s. Folders are merged as lm-eval merges them (later ones override, with its
+    warning). Outside the block, and with an lm-eval that has no ``TaskIndex.build``, nothing changes."""
+    try:
+        from lm_eval.tasks._index import TaskIndex, log
+    except ImportError:  # pragma: no cover - older lm-eval
+        yield
+        return
+    original = TaskIndex.__dict__.get("build")
+    if not isinstance(original, staticmethod):  # pragma: no cover - another lm-eval
+        yield
+        return
+    built: dict = {}
+
+    def build(paths, *, resolve_includes=True):
+        index: dict = {}
+        for root in paths:
+            key = (str(root), resolve_includes)
+            if key not in built:
+                built[key] = original.__func__([root], resolve_includes=resolve_includes)
+            for name, entry in built[key].items():
+                if name in index:
+                    log.warning("Task '%s' from %s overrides existing task from %s", name, entry.yaml_path,
+                                index[name].yaml_path)
+                index[name] = entry
+        return index
+
+    TaskIndex.build = staticmethod(build)
+    try:
+        yield
+    finally:
+        TaskIndex.build = original
