@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import json
 import math
 import os
 import types
@@ -386,26 +387,49 @@ def restore_original_tensors(model: nn.Module, pretrained: Any, block: dict[str,
 # -- the export command's work -------------------------------------------------------------------------------------
 
 
-def export(model: nn.Module, out: str | os.PathLike, *, tokenizer: Any = None, overwrite: bool = False) -> NativeForm:
+def export(model: nn.Module, out: str | os.PathLike, *, tokenizer: Any = None, overwrite: bool = False,
+           inputs: tuple = ()) -> NativeForm:
     """Save the patched ``model`` (and ``tokenizer``) natively to ``out``; NoNativeForm (nothing written) where the
-    patch has no native form. The folder is written beside ``out`` and renamed into place when complete."""
+    patch has no native form. The folder is written beside ``out`` and renamed into place when complete, with a
+    marker (``OUTPUT_MARKER``) listing what it wrote. ``overwrite`` replaces only such a folder (or an empty one),
+    never one holding other files or a folder ``ctxext.outputs`` protects (``inputs``: the folders read from).
+    ``ctxext export`` holds ``ctxext.outputs.OutputLock`` on ``out`` around this (and the model's load)."""
     import shutil
     import tempfile
+
+    from .outputs import check_replaceable_folder
 
     form = native_form(model)
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"--out {out} exists; pass --overwrite to replace it")
+    check_replaceable_folder(out, "--out", is_ours=is_export_folder, inputs=inputs, what="a ctxext export")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
+        (tmp / OUTPUT_MARKER).write_text(json.dumps({"written_by": "ctxext export", "files": files}, indent=1))
         if out.exists():
-            shutil.rmtree(out) if out.is_dir() else out.unlink()
+            shutil.rmtree(out)
         os.replace(tmp, out)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return form
+
+
+#: Written into an exported folder: what ctxext wrote there, so ``--overwrite`` replaces nothing else.
+OUTPUT_MARKER = ".ctxext-export.json"
+
+
+def is_export_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds a ctxext export and nothing but the files its marker lists."""
+    try:
+        listed = set(json.loads((folder / OUTPUT_MARKER).read_text(encoding="utf-8"))["files"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    present = {str(p.relative_to(folder)) for p in folder.rglob("*") if not p.is_dir()} - {OUTPUT_MARKER}
+    return present <= listed

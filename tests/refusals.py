@@ -4,6 +4,7 @@ usage lines aside), print no traceback, and leave every file under the watched f
 from __future__ import annotations
 
 import hashlib
+import stat
 from pathlib import Path
 
 from ctxext.cli import main
@@ -17,7 +18,12 @@ def tree_digest(folder: Path) -> dict[str, str]:
     out = {}
     for path in sorted(folder.rglob("*")):
         rel = str(path.relative_to(folder))
-        out[rel] = "dir" if path.is_dir() else hashlib.sha256(path.read_bytes()).hexdigest()
+        if path.is_dir():
+            out[rel] = "dir"
+        elif not path.is_file():  # a pipe, socket or device: reading it could block; its kind is what must stay
+            out[rel] = f"special {stat.S_IFMT(path.lstat().st_mode)}"
+        else:
+            out[rel] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out
 
 

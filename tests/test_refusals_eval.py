@@ -84,7 +84,8 @@ EVAL_CASES = [
     ("output holds a finished run", ["--output", "OUT/r.json"], "holds a finished run (4 rows)"),
     ("resume and overwrite", ["--output", "OUT/r.json", "--resume", "--overwrite"], "give one of them"),
     ("resume with other settings", ["--output", "OUT/r.json", "--resume", "--protocol", "chunks"],
-     "other settings (max_windows, protocol)"),
+     # the plan (methods, factor, lengths) is part of what must match since issue 28: this run names none of them
+     "other settings (max_windows, plan.factor, plan.lengths, plan.methods, protocol)"),
     ("output is the data", ["--output", "DATA"], "would overwrite the data"),
     ("plot is a folder", ["--plot", "OUT"], "is a directory"),
     ("data missing", ["--data", "missing.txt"], "data file not found: missing.txt"),

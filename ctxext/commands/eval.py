@@ -8,6 +8,7 @@ runs the default offline evaluation of the shipped reference models. Multi-proce
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import platform
@@ -155,19 +156,39 @@ def run_eval(args) -> int:
     demo = args.model is None
     device, output, jobs, texts, lengths = _prepare(args, demo)  # every check: nothing loaded or written yet
     state = make_state("cpu" if device == "cpu" else device)
+    with contextlib.ExitStack() as stack:
+        if state.is_main_process:  # one writer per output, from before the first model loads to the last write
+            from ..evaluation.results import check_output
+            from ..outputs import OutputLock
+
+            stack.enter_context(OutputLock(output, "--output"))
+            check_output(output, resume=args.resume, overwrite=args.overwrite)  # again: another run may have ended
+        return _run(args, demo, device, output, jobs, texts, lengths, state)
+
+
+def _run(args, demo, device, output, jobs, texts, lengths, state) -> int:
+    from ..evaluation.fingerprint import data_fingerprint, model_fingerprint
+    from ..evaluation.results import ResultStore
+    from ..evaluation.runner import Runner, Settings
+
     max_windows, max_tokens = _caps(args, demo)
     settings = Settings(
         lengths=lengths, protocol=args.protocol, stride=args.stride, max_windows=max_windows, max_tokens=max_tokens,
         batch_size=args.batch_size, passkey=args.passkey, passkey_depths=tuple(args.passkey_depths),
         passkey_trials=args.passkey_trials, seed=args.seed, progress=not args.no_progress,
     )
-    fingerprint = {  # what must match for --resume to reuse rows
-        "models": [dict(j.info, label=j.label) for j in jobs], "data": texts.info, "dtype": args.dtype,
+    fingerprint = {  # what must match for --resume to reuse rows (see ctxext.evaluation.fingerprint)
+        "models": [dict(j.info, label=j.label, files=model_fingerprint(j.info)) for j in jobs],
+        "data": dict(texts.info, content=data_fingerprint(texts.texts)), "dtype": args.dtype,
+        "plan": {"methods": args.methods, "factor": args.factor, "options": sorted(args.option or []),
+                 "lengths": args.lengths},
         "protocol": args.protocol, "stride": args.stride, "max_windows": max_windows, "max_tokens": max_tokens,
         "passkey": [args.passkey, list(args.passkey_depths), args.passkey_trials, args.seed] if args.passkey else None,
     }
     store = ResultStore(output, fingerprint, resume=args.resume, enabled=state.is_main_process)
     runner = Runner(settings, store, state, command=args.command)
+    for problem in store.rejected:
+        runner.log(f"resume: {problem}; not kept, recomputed")
     if store.resumed:
         runner.log(f"resuming: {store.resumed} finished row(s) in {store.jsonl}"
                    + (f"; {store.dropped} unreadable line(s) (a write cut by a kill) will be recomputed" if store.dropped else ""))

@@ -57,13 +57,18 @@ def _options(method: str, pairs: list[str] | None) -> dict[str, str]:
 
 
 def _check_out(out: Path, source: str, overwrite: bool) -> None:
+    from ..export import is_export_folder
+    from ..outputs import check_replaceable_folder
+
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder")
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"--out {out} exists; pass --overwrite to replace it")
     source_path = Path(source).expanduser()
     if source_path.exists() and out.resolve() in (source_path.resolve(), *source_path.resolve().parents):
         raise ValueError(f"--out {out} would overwrite the model it exports ({source}); choose another folder")
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"--out {out} exists; pass --overwrite to replace it")
+    if overwrite:
+        check_replaceable_folder(out, "--out", is_ours=is_export_folder, inputs=(source,), what="a ctxext export")
 
 
 def prepare(args):
@@ -122,15 +127,18 @@ def run_export(args) -> int:
     from ..api import patch
     from ..export import export
     from ..loading import from_pretrained
+    from ..outputs import OutputLock
 
     source, method, factor, options, dtype = prepare(args)
-    kwargs = {"dtype": dtype}
-    if args.gguf_file:
-        kwargs["gguf_file"] = args.gguf_file
-    model = from_pretrained(source, **kwargs).eval()
-    patch(model, method, factor, replace=True, **options)
-    tokenizer = _tokenizer(source, args.gguf_file)
-    form = export(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite)
+    with OutputLock(args.out, "--out"):  # one writer, from before the load to the rename
+        _check_out(Path(args.out), source, args.overwrite)  # again: another run may have written it meanwhile
+        kwargs = {"dtype": dtype}
+        if args.gguf_file:
+            kwargs["gguf_file"] = args.gguf_file
+        model = from_pretrained(source, **kwargs).eval()
+        patch(model, method, factor, replace=True, **options)
+        tokenizer = _tokenizer(source, args.gguf_file)
+        form = export(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite, inputs=(source,))
     what = f"{method}" + (f" x{factor:g}" if factor is not None else "")
     print(f"exported {args.model} patched with {what} to {args.out}: {form.summary}")
     print(f"plain transformers.AutoModelForCausalLM.from_pretrained({str(args.out)!r}) loads it; "

@@ -13,6 +13,7 @@ that cannot be written or that holds a finished run the user did not ask to resu
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -30,24 +31,95 @@ def jsonl_path(output: str | os.PathLike) -> Path:
     return path.with_suffix(".jsonl") if path.suffix != ".jsonl" else path.with_suffix(".rows.jsonl")
 
 
-def _differences(a: dict, b: dict) -> list[str]:
-    return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two settings differ, as dotted paths (``data.sha256``, ``models[0].weights``)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for k in sorted(set(a) | set(b), key=str):
+            out += _differences(a.get(k), b.get(k), f"{path}.{k}" if path else str(k))
+        return out
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [path or "settings"]
 
 
-def _read_lines(path: Path) -> tuple[list[dict[str, Any]], int, bool]:
-    """(parsed lines, unreadable lines, whether the file ends in a cut line)."""
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+#: What a result row must hold: field -> (check, what it should be). Rows are written by ctxext.evaluation.runner.
+_ROW_FIELDS = {
+    "kind": (lambda v: isinstance(v, str) and v in ("ppl", "passkey"), "'ppl' or 'passkey'"),
+    "model": (lambda v: isinstance(v, str) and bool(v), "a model label"),
+    "method": (lambda v: isinstance(v, str) and bool(v), "a method name"),
+    "label": (lambda v: isinstance(v, str) and bool(v), "a method label"),
+    "factor": (lambda v: v is None or (_number(v) and v >= 1), "null or a number >= 1"),
+    "length": (lambda v: _count(v) and v >= 2, "a whole number of tokens >= 2"),
+    "spec": (lambda v: v is None or isinstance(v, dict), "null or a patch spec"),
+}
+_SCORE_FIELDS = {
+    "ppl": {"ppl": (lambda v: _number(v) and v > 0, "a positive number"),
+            "tokens": (_count, "a whole number"), "windows": (_count, "a whole number")},
+    "passkey": {"accuracy": (lambda v: _number(v) and 0 <= v <= 1, "a number between 0 and 1"),
+                "trials": (_count, "a whole number")},
+}
+
+
+def row_problem(row: Any) -> str | None:
+    """Why ``row`` is not a result row ctxext wrote (None if it is one)."""
+    if not isinstance(row, dict):
+        return f"not a JSON object ({type(row).__name__})"
+    fields = dict(_ROW_FIELDS)
+    kind = row.get("kind")
+    if "not_applicable" not in row and isinstance(kind, str) and kind in _SCORE_FIELDS:
+        fields.update(_SCORE_FIELDS[kind])
+        if row["kind"] == "ppl" and row.get("tokens") == 0:
+            fields["ppl"] = (lambda v: v is None, "null (no tokens)")
+    for name, (ok, want) in fields.items():
+        if name not in row:
+            return f"no field {name!r}"
+        if not ok(row[name]):
+            return f"field {name!r} is {json.dumps(row[name])[:40]}, expected {want}"
+    return None
+
+
+def _read_lines(path: Path) -> tuple[list[tuple[int, Any]], int, bool]:
+    """((line number, parsed line) pairs, unreadable lines, whether the file ends in a cut line)."""
     data = path.read_bytes()
     parsed, bad = [], 0
     lines = data.split(b"\n")
     cut = bool(lines[-1].strip())  # text after the last newline: a write that a kill interrupted
-    for line in lines:
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            parsed.append(json.loads(line))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            parsed.append((number, json.loads(line)))
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
             bad += 1
     return parsed, bad, cut
+
+
+def _is_rows_file(path: Path) -> bool:
+    """Whether ``path`` starts with the run header ctxext eval writes first."""
+    try:
+        with path.open("rb") as fh:
+            first = json.loads(fh.readline())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(first, dict) and first.get("kind") == "run" and isinstance(first.get("settings"), dict)
+
+
+def _is_result_file(path: Path) -> bool:
+    """Whether ``path`` holds a results JSON ctxext eval wrote."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and "ctxext_version" in doc and isinstance(doc.get("results"), list)
 
 
 def finished_rows(output: str | os.PathLike) -> int:
@@ -55,21 +127,21 @@ def finished_rows(output: str | os.PathLike) -> int:
     jsonl, final = jsonl_path(output), Path(output)
     count = 0
     if jsonl.is_file():
-        count = sum(1 for row in _read_lines(jsonl)[0] if isinstance(row, dict) and row.get("kind") != "run")
-    if not count and final.is_file():
-        try:
-            count = len(json.loads(final.read_text(encoding="utf-8")).get("results") or [])
-        except (ValueError, AttributeError, UnicodeDecodeError):
-            count = 1  # a file we cannot read is still not ours to destroy
+        count = sum(1 for _, row in _read_lines(jsonl)[0] if isinstance(row, dict) and row.get("kind") != "run")
+    if not count and _is_result_file(final):
+        count = len(json.loads(final.read_text(encoding="utf-8"))["results"])
     return count
 
 
 def check_file_target(path: str | os.PathLike, flag: str, example: str) -> Path:
     """Raise ValueError unless ``path`` names a file that can be created or replaced (not a directory, not under a
     file, in a writable folder). Touches nothing."""
+    from ..outputs import check_regular_file
+
     target = Path(path)
     if str(path).endswith(("/", os.sep)) or target.is_dir():
         raise ValueError(f"{flag} {path} is a directory; give a file name, e.g. {target / example}")
+    check_regular_file(target, flag)
     parent = target.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -83,12 +155,22 @@ def check_file_target(path: str | os.PathLike, flag: str, example: str) -> Path:
 def check_output(output: str | os.PathLike, *, resume: bool, overwrite: bool, flag: str = "--output") -> None:
     """Raise ValueError if ``output`` cannot take this run's results, or holds a finished run that neither
     ``resume`` nor ``overwrite`` allows replacing. Touches nothing."""
+    from ..outputs import check_regular_file
+
     if resume and overwrite:
         raise ValueError("--resume keeps the finished rows and --overwrite discards them: give one of them")
     out = check_file_target(output, flag, "eval.json")
     jsonl = jsonl_path(out)
     if jsonl.is_dir():
         raise ValueError(f"{flag} {output}: its rows file {jsonl} is a directory; choose another {flag}")
+    check_regular_file(jsonl, f"{flag} {output}: its rows file")
+    # never resume, replace or append to a file ctxext did not write
+    if out.is_file() and out.stat().st_size and not _is_result_file(out):
+        raise ValueError(f"{flag} {output} exists and is not a ctxext eval result; ctxext will not replace it: "
+                         f"choose another {flag}")
+    if jsonl.is_file() and jsonl.stat().st_size and not _is_rows_file(jsonl):
+        raise ValueError(f"{flag} {output}: {jsonl} exists and is not a ctxext eval rows file; ctxext will not "
+                         f"replace it: choose another {flag}")
     if not (resume or overwrite):
         rows = finished_rows(out)
         if rows:
@@ -122,6 +204,8 @@ class ResultStore:
         self.resumed = 0
         #: Unreadable lines of the resumed JSONL (a cut last line included); they are recomputed.
         self.dropped = 0
+        #: Rows of the resumed JSONL that do not fit the row schema ("line N of FILE: why"); they are recomputed.
+        self.rejected: list[str] = []
         self._append = False  # True once self.jsonl holds this run's header and ends with a newline
         self._cut = False
         if resume and self.jsonl.is_file():
@@ -130,12 +214,14 @@ class ResultStore:
     def _load_previous(self) -> None:
         lines, self.dropped, self._cut = _read_lines(self.jsonl)
         header = None
-        for row in lines:
-            if not isinstance(row, dict):
-                self.dropped += 1
-            elif row.get("kind") == "run":
+        for number, row in lines:
+            if isinstance(row, dict) and row.get("kind") == "run":
                 header = row.get("settings", {})
-            elif "length" in row:
+                continue
+            problem = row_problem(row)
+            if problem:  # a hand-edited or damaged row: never copied, recomputed
+                self.rejected.append(f"line {number} of {self.jsonl}: {problem}")
+            else:
                 self.rows[row_key(row)] = row
         if header is not None and header != self.settings:
             raise ValueError(

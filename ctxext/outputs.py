@@ -1,0 +1,159 @@
+"""What a command may write and replace: outputs own only what ctxext wrote, and one run writes an output at a time.
+
+- :func:`check_regular_file` refuses an output path that exists and is not a regular file (a device such as
+  ``/dev/full``, a named pipe, a socket): ctxext writes files by renaming a temporary file over the path, which would
+  replace the node itself.
+- :func:`check_replaceable_folder` decides whether ``--overwrite`` may remove an existing folder: only one ctxext
+  wrote (recognised by ``is_ours``), never ``.``, the home folder, ``/``, a parent of the working directory or of an
+  input.
+- :class:`OutputLock` is an advisory ``fcntl`` lock on a lock file beside the output, holding the writer's pid: a
+  second run on the same output is refused with the first one's pid. The kernel drops the lock when its process
+  dies, so a lock file left by a killed run is stale: it is taken over, and said so.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import sys
+from pathlib import Path
+from typing import Callable
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; one writer per output is then the user's to ensure
+    fcntl = None
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_regular_file(path: str | os.PathLike, flag: str) -> None:
+    """Raise ValueError if ``path`` exists (following links) and is not a regular file. Touches nothing."""
+    try:
+        mode = os.stat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):  # a missing path (or one under a file: reported elsewhere)
+        if os.path.islink(path):
+            raise ValueError(f"{flag} {path} is a link to nothing; give a file name ctxext can create") from None
+        return
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"{flag} {path} is {_kind(mode)}; ctxext writes only regular files: give a file name")
+
+
+def _protected(folder: Path, inputs: tuple[Path, ...]) -> str | None:
+    """Why ``folder`` may never be removed, or None."""
+    here = Path.cwd().resolve()
+    if folder == Path(folder.anchor):
+        return "the filesystem root"
+    if folder == Path.home().resolve():
+        return "your home folder"
+    if folder == here:
+        return "the working directory"
+    if folder in here.parents:
+        return "a parent of the working directory"
+    for source in inputs:
+        if folder == source or folder in source.parents:
+            return f"the input {source} or a folder holding it"
+    return None
+
+
+def check_replaceable_folder(out: str | os.PathLike, flag: str, *, is_ours: Callable[[Path], bool],
+                             inputs: tuple[str | os.PathLike, ...] = (), what: str = "a ctxext output") -> None:
+    """Raise ValueError unless ``--overwrite`` may remove the existing folder ``out``: ctxext wrote it
+    (``is_ours(folder)``) or it is empty, and it is none of the folders that are never removed. Touches nothing."""
+    folder = Path(out).expanduser()
+    if not folder.exists() and not folder.is_symlink():
+        return
+    if folder.is_symlink():
+        raise ValueError(f"{flag} {out} is a link; ctxext replaces only folders it wrote: give a new folder")
+    resolved = folder.resolve()
+    reason = _protected(resolved, tuple(Path(p).expanduser().resolve() for p in inputs if p))
+    if reason:
+        raise ValueError(f"{flag} {out} is {reason}; ctxext never replaces it: give a new folder")
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {out} is a file; pass a folder")
+    if any(folder.iterdir()) and not is_ours(folder):
+        raise ValueError(f"{flag} {out} holds files ctxext did not write (it is not {what}); --overwrite replaces "
+                         "only ctxext's own outputs: give a new or empty folder")
+
+
+def lock_path(output: str | os.PathLike) -> Path:
+    path = Path(output)
+    return path.with_name(f".{path.name}.ctxext-lock")
+
+
+class OutputLock:
+    """``with OutputLock(path, flag):`` holds an exclusive advisory lock on ``path``'s lock file, or raises
+    ValueError naming the pid of the run that holds it. The lock file is removed on release."""
+
+    def __init__(self, output: str | os.PathLike, flag: str = "--output"):
+        self.output, self.flag = Path(output), flag
+        self.path = lock_path(output)
+        self._fd: int | None = None
+        #: pid recorded in a lock file whose process no longer held it (a killed run), or None.
+        self.stale_pid: int | None = None
+
+    def _recorded_pid(self, fd: int) -> int | None:
+        try:
+            text = os.pread(fd, 64, 0).decode("ascii", "replace").strip()
+            return int(text) if text.isdigit() else None
+        except OSError:
+            return None
+
+    def acquire(self) -> "OutputLock":
+        if fcntl is None:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                pid = self._recorded_pid(fd)
+                os.close(fd)
+                if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    who = f"pid {pid}" if pid else "another process"
+                    raise ValueError(f"{self.flag} {self.output} is being written by another ctxext run ({who}); "
+                                     f"wait for it to finish or choose another {self.flag}") from None
+                raise ValueError(f"{self.flag} {self.output}: cannot lock {self.path}: {exc.strerror}") from None
+            # the holder before us may have removed the file after we opened it: lock the file that is there now
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if not same:
+                os.close(fd)
+                continue
+            break
+        previous = self._recorded_pid(fd)
+        if previous and previous != os.getpid():
+            self.stale_pid = previous
+            print(f"ctxext: note: took over a stale lock on {self.output} left by pid {previous}, which no longer "
+                  "holds it (a run that was killed)", file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(self._fd)  # closing drops the lock
+            self._fd = None
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
