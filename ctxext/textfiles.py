@@ -53,7 +53,7 @@ def iter_jsonl(path: Path, text_field: str, hint: str, errors: str = "strict") -
                 raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
             if not isinstance(row, dict) or text_field not in row:
                 raise ValueError(f"{path}:{number}: no {text_field!r} field ({hint})")
-            yield str(row[text_field])
+            yield _text_value(row[text_field], f"{path}:{number}", text_field)
 
 
 #: What a data folder is searched for (each also .gz / .xz compressed): text files (one document each) and JSON lines
@@ -70,7 +70,22 @@ def find_files(folder: Path) -> list[Path]:
 
 def read_documents(path: Path, text_field: str, hint: str, errors: str = "strict") -> Iterator[str]:
     """The documents of one file: the ``text_field`` of each JSON line (.jsonl, .ndjson) or of each object of a JSON
-    list (.json; JSON lines saved as .json read as such), else the whole file as one document."""
+    list (.json; JSON lines saved as .json read as such), else the whole file as one document. ValueError naming the
+    file for text that is not UTF-8 (UTF-16, a binary file)."""
+    try:
+        yield from _documents(path, text_field, hint, errors)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); convert it to UTF-8, e.g. "
+                         f"iconv -f UTF-16 -t UTF-8") from None
+
+
+def _text_value(value, where: str, text_field: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: field {text_field!r} is {type(value).__name__}, not text")
+    return value
+
+
+def _documents(path: Path, text_field: str, hint: str, errors: str) -> Iterator[str]:
     kind = inner_suffix(path)
     if kind in JSONL_SUFFIXES:
         yield from iter_jsonl(path, text_field, hint, errors)
@@ -84,7 +99,7 @@ def read_documents(path: Path, text_field: str, hint: str, errors: str = "strict
         rows = [rows] if isinstance(rows, dict) else rows
         if not isinstance(rows, list) or not all(isinstance(r, dict) and text_field in r for r in rows):
             raise ValueError(f"{path}: expected a list of objects with a {text_field!r} field ({hint})")
-        yield from (str(r[text_field]) for r in rows)
+        yield from (_text_value(r[text_field], f"{path}: item {i}", text_field) for i, r in enumerate(rows))
     else:
         yield read_text(path, errors)
 

@@ -26,8 +26,14 @@ def register(sub) -> None:
     p.set_defaults(func=run)
 
 
-def _split(text):
-    return [x.strip() for x in text.split(",") if x.strip()] if text else None
+def _split(text, flag: str):
+    """A comma-separated list; None when the flag was not given, ValueError when it was given empty."""
+    if text is None:
+        return None
+    items = [x.strip() for x in text.split(",") if x.strip()]
+    if not items:
+        raise ValueError(f"{flag} {text!r} names nothing; give comma-separated names (e.g. llama,gpt2) or leave it out")
+    return items
 
 
 def run_census(args) -> int:
@@ -39,8 +45,8 @@ def run_census(args) -> int:
     def progress(row):
         print(f"{row.model} {row.method}: {row.cell} ({row.seconds:.1f}s)", file=sys.stderr, flush=True)
 
-    rows = census(_split(args.models), _split(args.only), progress=progress if args.progress else None,
-                  slow_models=args.slow_models)
+    rows = census(_split(args.models, "--models"), _split(args.only, "--only"),
+                  progress=progress if args.progress else None, slow_models=args.slow_models)
     if args.json:
         print(json.dumps([dataclasses.asdict(r) for r in rows], indent=2))
     else:
@@ -51,7 +57,7 @@ def run_census(args) -> int:
 def run(args) -> int:
     if args.census:
         return run_census(args)
-    if args.models or args.only or args.slow_models or args.progress:
+    if args.models is not None or args.only is not None or args.slow_models or args.progress:
         raise ValueError("--models, --only, --slow-models and --progress go with --census")
     if args.json:
         rows = method_table()

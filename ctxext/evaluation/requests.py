@@ -71,8 +71,10 @@ def parse_methods(
     requests: list[MethodRequest] = []
     used_global: set[str] = set()
     for item in names:
-        name, _, own = item.partition(":")
+        name, colon, own = item.partition(":")
         name = name.strip().lower()
+        if colon and not own.strip():
+            raise ValueError(f"{item!r}: nothing after ':'; give a factor (e.g. {name}:4) or drop the ':'")
         if name == NONE:
             if own:
                 raise ValueError("'none' (the unpatched model) takes no factor")

@@ -358,6 +358,7 @@ def streaming_llm(original_length: int, factor: float | None = None, sinks: int 
     window = max(1, original_length - sinks) if window is None else _int(method, "window", window)
     cache = sinks + window
     _larger_than_needed(method, "window", window, target, "no key is ever evicted")
+    _larger_than_needed(method, "sinks", sinks, target, "every token is a sink and no key is ever evicted")
     options = {"sinks": sinks, "window": window}
     last = cache - 1
     far = Rotation(query=lambda i: torch.clamp(i, max=last), key=_same)
