@@ -98,6 +98,7 @@ class OutputLock:
         self.output, self.flag = Path(output), flag
         self.path = lock_path(output)
         self._fd: int | None = None
+        self._made: Path | None = None
         #: pid recorded in a lock file whose process no longer held it (a killed run), or None.
         self.stale_pid: int | None = None
 
@@ -111,6 +112,10 @@ class OutputLock:
     def acquire(self) -> "OutputLock":
         if fcntl is None:
             return self
+        missing = self.path.parent
+        while not missing.parent.exists() and missing.parent != missing:
+            missing = missing.parent
+        self._made = None if missing.exists() else missing  # removed again on release if still empty
         self.path.parent.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -151,6 +156,13 @@ class OutputLock:
         finally:
             os.close(self._fd)  # closing drops the lock
             self._fd = None
+        folder = self.path.parent
+        while self._made is not None and folder != self._made.parent:  # folders made for the lock and left empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+            folder = folder.parent
 
     def __enter__(self) -> "OutputLock":
         return self.acquire()

@@ -277,3 +277,13 @@ def test_resume_reports_damaged_rows_by_line_and_never_copies_them(llama_dir, tm
     capsys.readouterr()
     assert _eval(llama_dir, out, "--resume") == 0  # and a later resume still works
     assert json.loads(out.read_text())["results"] == again
+
+
+def test_a_lock_leaves_no_folder_it_made(tmp_path):
+    with OutputLock(tmp_path / "a" / "b" / "r.json"):
+        assert (tmp_path / "a" / "b").is_dir()
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "keep").mkdir()
+    with OutputLock(tmp_path / "keep" / "r.json"):
+        pass
+    assert (tmp_path / "keep").is_dir()  # it was there before
