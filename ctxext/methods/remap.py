@@ -81,6 +81,10 @@ class PositionMap:
     options: dict[str, Any] = field(default_factory=dict)
     #: every pair (0 <= j <= i) whose query position i is below this uses rotations[0] (0: no such promise)
     plain_below: float = 0
+    #: the map is exactly two rotations with select(i, j) = 0 for 0 <= i - j < near and 1 for every i - j >= near
+    #: (no causal pair masked, ``near`` a whole number): attention is then a band at true positions plus one causal
+    #: call over the far pairs, merged by log-sum-exp (``ctxext.lse_attention``, a CPU inference path)
+    band_far: bool = False
 
     @property
     def is_identity(self) -> bool:
@@ -190,7 +194,7 @@ def self_extend(original_length: int, factor: float | None = None, group: int | 
 
     far = Rotation(query=lambda i: torch.div(i, group, rounding_mode="floor") + shift,
                    key=lambda j: torch.div(j, group, rounding_mode="floor"))
-    return PositionMap(method, (IDENTITY, far), _window_select(window), window, None, options)
+    return PositionMap(method, (IDENTITY, far), _window_select(window), window, None, options, band_far=True)
 
 
 # --------------------------------------------------------------------------------------- Dual Chunk Attention
@@ -308,7 +312,7 @@ def rerope(original_length: int, factor: float | None = None, window: int | None
         far = Rotation(query=lambda i: (i.double() + offset) / k, key=lambda j: j.double() / k)
     if far is IDENTITY:
         return PositionMap(method, (IDENTITY,), _all_near, math.inf, scale, options)
-    return PositionMap(method, (IDENTITY, far), _window_select(window), window, scale, options)
+    return PositionMap(method, (IDENTITY, far), _window_select(window), window, scale, options, band_far=True)
 
 
 # ------------------------------------------------------------------------------------------------- LM-Infinite
@@ -415,7 +419,7 @@ def string(original_length: int, factor: float | None = None, shift: int | None 
     far = Rotation(query=_same, key=lambda j: j + (shift - local))
     if shift == local:
         return identity_map(method, options)
-    return PositionMap(method, (IDENTITY, far), _window_select(shift), shift, None, options)
+    return PositionMap(method, (IDENTITY, far), _window_select(shift), shift, None, options, band_far=True)
 
 
 #: method name -> position-map builder(original_length, factor, **options)
