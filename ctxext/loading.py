@@ -206,6 +206,13 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
         from peft import PeftModel
     except ImportError as exc:  # pragma: no cover - peft is a declared extra
         raise ImportError("loading an adapter needs peft: pip install 'ctxext[finetune]'") from exc
+    from .outputs import file_damage
+
+    for name in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
+        path = Path(adapter_dir) / name
+        why = file_damage(path) if path.exists() else None
+        if why is not None:
+            raise ValueError(f"adapter {adapter_dir}: {path} is damaged ({why}); train it again or use an intact copy")
     return PeftModel.from_pretrained(prepare_for_adapter(model, adapter_dir), adapter_dir)
 
 

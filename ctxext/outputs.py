@@ -9,14 +9,23 @@
 - :class:`OutputLock` is an advisory ``fcntl`` lock on a lock file beside the output, holding the writer's pid: a
   second run on the same output is refused with the first one's pid. The kernel drops the lock when its process
   dies, so a lock file left by a killed run is stale: it is taken over, and said so.
+- :func:`check_writable_folder` refuses an output folder that cannot be made or written, before any work: it creates
+  and removes a temporary file in the nearest existing folder on the way (``os.access`` says yes to root, and knows
+  nothing of read-only mounts).
+- :func:`file_damage` says why a file ctxext (or a library it saves with) wrote cannot be read back: a truncated
+  safetensors file, a torch.save archive with a missing end or a bad CRC, JSON that does not parse.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import stat
+import struct
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -169,3 +178,95 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def check_writable_folder(path: str | os.PathLike, flag: str) -> None:
+    """Raise ValueError unless ``path`` is a folder ctxext can create files in, or one it can make. The nearest
+    existing folder on the way (``path`` itself when it exists) is probed by creating and removing a temporary file
+    (``os.access`` cannot tell: it says yes to root and knows nothing of read-only mounts). Leaves nothing behind."""
+    folder = Path(path).expanduser().absolute()
+    here = folder
+    while not os.path.lexists(here) and here != here.parent:
+        here = here.parent
+    if os.path.islink(here) and not os.path.exists(here):
+        raise ValueError(f"{flag} {path}: {here} is a link to nothing; give a folder ctxext can create")
+    try:
+        mode = os.stat(here).st_mode
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot read {here} ({exc.strerror or exc})") from None
+    if not stat.S_ISDIR(mode):
+        kind = "a file" if stat.S_ISREG(mode) else _kind(mode)
+        if here == folder:
+            raise ValueError(f"{flag} {path} is {kind}, not a folder; give a folder")
+        raise ValueError(f"{flag} {path} cannot be made: {here} is {kind}, not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".ctxext-write-probe-", dir=here)
+    except OSError as exc:
+        raise ValueError(f"{flag} {path}: cannot create files in {here} ({exc.strerror or exc}); "
+                         "choose a folder you can write") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def _safetensors_damage(path: Path, size: int) -> str | None:
+    with path.open("rb") as fh:
+        head = fh.read(8)
+        if len(head) < 8:
+            return f"truncated: {size} bytes, shorter than a safetensors header"
+        (n,) = struct.unpack("<Q", head)
+        if n > size - 8:
+            return f"truncated: {size} bytes, its header alone needs {8 + n}"
+        try:
+            header = json.loads(fh.read(n))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return "not a safetensors file (its header does not parse)"
+    expected = 8 + n + end
+    if size < expected:
+        return f"truncated: {size} of {expected} bytes"
+    if size > expected:
+        return f"{size - expected} bytes past the tensors its header lists (written twice or appended to)"
+    return None
+
+
+#: zip archives up to this size have every member's CRC checked by :func:`file_damage` (reading them whole); larger
+#: ones only their directory, which a truncated file lacks
+CRC_CHECK_LIMIT = 1 << 30
+
+
+def file_damage(path: str | os.PathLike) -> str | None:
+    """Why the file at ``path`` cannot be read back, or None (also for a format it cannot check). Checked by format:
+    ``.safetensors`` (its header, and a size that covers every tensor it lists), zip archives (``torch.save``'s
+    format: the central directory, and each member's CRC up to ``CRC_CHECK_LIMIT``), ``.json``. Loads nothing."""
+    path = Path(path)
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        return f"cannot be read ({exc.strerror or exc})"
+    if not stat.S_ISREG(st.st_mode):
+        return f"is {_kind(st.st_mode)}"
+    size = st.st_size
+    try:
+        if size == 0:
+            return "empty"
+        if path.suffix == ".safetensors":
+            return _safetensors_damage(path, size)
+        if path.suffix == ".json":
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (ValueError, UnicodeDecodeError) as exc:
+                return f"not valid JSON ({exc})"
+            return None
+        with path.open("rb") as fh:
+            magic = fh.read(4)
+        if magic.startswith(b"PK") or b"PK\x03\x04".startswith(magic):  # a zip archive, as torch.save writes
+            if not zipfile.is_zipfile(path):
+                return (f"truncated ({size} bytes): a torch.save archive ends with a directory of its members, and "
+                        "this one has none")
+            with zipfile.ZipFile(path) as archive:
+                bad = archive.testzip() if size <= CRC_CHECK_LIMIT else None
+            if bad is not None:
+                return f"damaged: the data of {bad} does not match its CRC"
+    except (OSError, zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as exc:
+        return f"cannot be read ({getattr(exc, 'strerror', None) or exc})"
+    return None

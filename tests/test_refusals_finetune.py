@@ -96,6 +96,10 @@ CASES = [
     ("set-through-a-value", None, ["--set", "train.steps.x=1"], "train.steps is not a section"),
     ("set-and-recipe-errors-together", _yaml(_set(BASE, "train.steps", "abc")), ["--set", "lora.r=zero"],
      "2 problems"),
+    ("absurd-accumulation", _yaml(_set(BASE, "train.batch_size", 10 ** 12)), ["--check"],
+     "1000000000000 micro-batches per optimizer step"),
+    ("seed-out-of-range", _yaml(_set(BASE, "train.seed", -1)), [], "train.seed must be >= 0, got -1"),
+    ("output-dir-under-dangling-link", None, ["--set", "output.dir=gone/run", "--check"], "is a link to nothing"),
     ("stop-after-0", None, ["--stop-after", "0"], "--stop-after must be >= 1"),
     ("stop-after-not-int", None, ["--stop-after", "two"], "invalid int value"),
     ("check-and-print", None, ["--check", "--print-recipe"], "give one of them"),
@@ -104,12 +108,13 @@ CASES = [
 
 @pytest.fixture
 def work(tmp_path, monkeypatch):
-    """work/: books/ (training text), held-out file absent, notes.txt (a file), runs/done (a finished run),
-    runs/stopped (an interrupted run's checkpoint); the working directory for every case."""
+    """work/: books/ (training text), held-out file absent, notes.txt (a file), gone (a link to nothing), runs/done
+    (a finished run), runs/stopped (an interrupted run's checkpoint); the working directory for every case."""
     w = tmp_path / "work"
     (w / "books").mkdir(parents=True)
     (w / "books" / "a.txt").write_text("It is a truth universally acknowledged. " * 200)
     (w / "notes.txt").write_text("not a folder\n")
+    (w / "gone").symlink_to(w / "nowhere")  # a link to nothing
     done = w / "runs" / "done"
     done.mkdir(parents=True)
     (done / "results.json").write_text(json.dumps({"finished": True, "after": {"512": {"ppl": 12.5}}}) + "\n")

@@ -22,7 +22,8 @@ def register(sub) -> None:
     p.add_argument("--stop-after", type=int, default=None, metavar="N",
                    help="stop (with a checkpoint) after N optimizer steps in this invocation; continue with --resume")
     p.add_argument("--check", action="store_true",
-                   help="validate the recipe, its data and the patch/LoRA fit without loading weights or training")
+                   help="validate the recipe, its data, the patch/LoRA fit and that output.dir can be written, "
+                   "without loading weights or training")
     p.add_argument("--print-recipe", action="store_true", help="print the resolved recipe (defaults filled in) and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=run)

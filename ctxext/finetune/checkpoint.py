@@ -7,6 +7,12 @@ Layout: ``OUT/checkpoints/step-000100/`` with accelerate's files (``model.safete
 ``custom_checkpoint_0.pkl`` for the schedule, ``random_states_<rank>.pkl``, ...) and ``state.json``, written last, so
 a folder without it is an incomplete checkpoint and is ignored. Without sharding only the trainable parameters are
 saved (LoRA and ``modules_to_save``), not the frozen base model.
+
+``state.json`` also lists the size of every file written beside it. ``--resume`` checks the newest checkpoint before
+anything loads (:func:`damage`: the listed sizes, then each file's format: a safetensors header that covers its
+tensors, a torch.save archive's directory and CRCs, state.json itself). A damaged one (a disk that filled up, a copy
+cut short) is passed over for the newest intact one, and said so; it is renamed ``damaged-step-NNNNNN`` when training
+starts, so that it is never taken for the newest again.
 """
 
 from __future__ import annotations
@@ -23,6 +29,8 @@ from .config import Recipe, RecipeError
 
 DIRNAME = "checkpoints"
 STATE = "state.json"
+#: a damaged checkpoint passed over by --resume is renamed with this prefix (``checkpoints()`` ignores it)
+DAMAGED_PREFIX = "damaged-"
 WEIGHTS = "model.safetensors"  # accelerate's name for the first model's weights
 #: Recipe keys that may change between an interrupted run and its resumption (they do not change the result).
 RESUMABLE_CHANGES = {
@@ -42,6 +50,71 @@ def checkpoints(out: Path) -> list[Path]:
 def latest(out: Path) -> Path | None:
     found = checkpoints(out)
     return found[-1] if found else None
+
+
+def _files(path: Path) -> dict[str, int]:
+    """Size of every file of a checkpoint folder but state.json, by path relative to it."""
+    return {str(f.relative_to(path)): f.stat().st_size for f in sorted(Path(path).rglob("*"))
+            if f.is_file() and f.name != STATE}
+
+
+def damage(path: Path) -> tuple[str, str] | None:
+    """(file, what is wrong) when the checkpoint folder ``path`` cannot be resumed from, else None. Reads its files
+    (sizes against the list in state.json, then each file's format: ``ctxext.outputs.file_damage``); loads nothing."""
+    from ..outputs import file_damage
+
+    path = Path(path)
+    why = file_damage(path / STATE)
+    if why is not None:
+        return STATE, why
+    record = json.loads((path / STATE).read_text(encoding="utf-8"))
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int) or not isinstance(
+            record.get("recipe"), dict):
+        return STATE, "not a checkpoint record (no step or recipe)"
+    listed = record.get("files")
+    if isinstance(listed, dict):  # checkpoints written before the list have only their formats checked
+        for name, size in listed.items():
+            f = path / name
+            if not f.is_file():
+                return name, "missing"
+            actual = f.stat().st_size
+            if actual != size:
+                return name, (f"truncated: {actual} of {size} bytes" if actual < size
+                              else f"{actual} bytes, {size} were written")
+    for name in _files(path):
+        why = file_damage(path / name)
+        if why is not None:
+            return name, why
+    return None
+
+
+def newest_intact(out: Path) -> tuple[Path | None, list[tuple[Path, str, str]]]:
+    """The newest checkpoint that :func:`damage` passes (None if none does), and the damaged ones newer than it,
+    newest first, each as (folder, file, what is wrong)."""
+    damaged = []
+    for path in reversed(checkpoints(out)):
+        found = damage(path)
+        if found is None:
+            return path, damaged
+        damaged.append((path, *found))
+    return None, damaged
+
+
+def set_aside(paths: list[Path]) -> list[Path]:
+    """Rename damaged checkpoint folders ``step-N`` -> ``damaged-step-N`` (kept for a look, never resumed from, and
+    not counted by keep-last-N). Returns the new paths."""
+    moved = []
+    for path in paths:
+        path = Path(path)
+        if not path.is_dir():
+            continue
+        target, n = path.with_name(DAMAGED_PREFIX + path.name), 1
+        while target.exists():
+            n += 1
+            target = path.with_name(f"{DAMAGED_PREFIX}{path.name}-{n}")
+        path.rename(target)
+        moved.append(target)
+    return moved
 
 
 def remove_all(out: Path) -> None:
@@ -104,7 +177,7 @@ def save(out: Path, acc, state: dict, recipe: Recipe, keep: int) -> Path:
     acc.save_state(str(path))
     acc.wait_for_everyone()
     if acc.is_main_process:
-        record = dict(state, world_size=acc.num_processes, recipe=recipe.to_dict())
+        record = dict(state, world_size=acc.num_processes, recipe=recipe.to_dict(), files=_files(path))
         (path / STATE).write_text(json.dumps(record, indent=1) + "\n")
         if keep:
             for old in checkpoints(out)[:-keep]:
@@ -140,7 +213,15 @@ def load(path: Path, acc) -> None:
     if (Path(path) / "trainable.safetensors").exists():
         raise RecipeError(f"checkpoint {path} was written by an earlier ctxext (before accelerate's save_state) and "
                           "cannot be resumed: start over with --set output.overwrite=true")
-    acc.load_state(str(path))
+    try:
+        acc.load_state(str(path))
+    except RecipeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - damage the checks before loading could not see (torch, pickle, ...)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise RecipeError(f"checkpoint {path} cannot be loaded ({type(exc).__name__}: {first}); resume from an "
+                          "earlier checkpoint by removing this folder, or start over with "
+                          "--set output.overwrite=true") from exc
     if saved_world != acc.num_processes:
         warnings.warn(f"checkpoint {Path(path).name} was written by {saved_world} process(es), this run has "
                       f"{acc.num_processes}: random state (dropout) is not carried over exactly", stacklevel=2)

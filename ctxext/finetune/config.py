@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from annotated_types import Ge, Gt  # pydantic's constraint markers: it checks them and names the bound
+from annotated_types import Ge, Gt, Le, Lt  # pydantic's constraint markers: it checks them and names the bound
 
 
 from .errors import RecipeError  # re-exported: ctxext.finetune.config.RecipeError
@@ -23,6 +23,14 @@ from .errors import RecipeError  # re-exported: ctxext.finetune.config.RecipeErr
 AtLeast1 = Annotated[int, Ge(1)]
 AtLeast2 = Annotated[int, Ge(2)]
 NotNegative = Annotated[int, Ge(0)]
+#: a seed every random generator a run seeds takes (numpy's is the narrowest: 0 <= seed < 2**32)
+Seed = Annotated[int, Ge(0), Lt(2 ** 32)]
+
+#: The most micro-batches one optimizer step may run: train.batch_size / train.micro_batch_size, over all processes
+#: (gradient accumulation x processes). A step runs them all before its first update, so a larger count is a mistake
+#: in the recipe, not a batch anyone trains with (LoRA recipes use global batches of 8 to a few hundred sequences):
+#: 10**12 would sit at step 0 for ever. 4096 is a global batch of 4096 sequences one at a time, far past any recipe.
+MAX_MICRO_BATCHES = 4096
 
 
 def _one_line(text: str) -> str:
@@ -139,7 +147,9 @@ class TrainConfig:
     batch_size: AtLeast1 = 8
     #: sequences per forward pass on one process; gradient accumulation = batch_size / (micro_batch_size x processes)
     micro_batch_size: AtLeast1 = 1
-    lr: Annotated[float, Gt(0)] = 2e-4
+    #: 0 < lr <= 1: AdamW moves every trained weight by about lr per step (LoRA uses 1e-5 to 1e-2); past 1 the
+    #: weights are noise after one step, and a float32 optimizer overflows
+    lr: Annotated[float, Gt(0), Le(1)] = 2e-4
     warmup_steps: NotNegative = 20
     #: a ``transformers.get_scheduler`` name: linear, cosine, constant_with_warmup, ...
     scheduler: str = "cosine"
@@ -149,7 +159,8 @@ class TrainConfig:
     gradient_checkpointing: bool = True
     #: accelerate mixed precision: "no", "bf16" or "fp16"
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    seed: int = 0
+    #: 0 <= seed < 2**32 (the range numpy's generator takes; accelerate's set_seed seeds it)
+    seed: Seed = 0
     log_every: AtLeast1 = 1
     #: write a resumable checkpoint every N optimizer steps (0: only at the end)
     save_every: NotNegative = 100
@@ -329,9 +340,10 @@ def _message(key: str, err: dict, tp, value: Any) -> str:
     got = "null" if value is None else repr(value)
     if kind == "literal_error":
         return f"{key} must be one of {', '.join(typing.get_args(tp))}, got {got}"  # (no Optional choices)
-    bound = {"greater_than_equal": ">=", "greater_than": ">"}.get(kind)
+    bound = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}.get(kind)
     if bound:
-        limit = format(ctx.get("ge", ctx.get("gt")), "g")
+        limit = next((ctx[k] for k in ("ge", "gt", "lt", "le") if k in ctx), "?")
+        limit = format(limit, "g") if isinstance(limit, float) else str(limit)
         null = " or null" if type(None) in typing.get_args(tp) else ""
         entry = "".join(f"[{i}]" for i in err["loc"] if isinstance(i, int))  # which list entry
         return f"{key} must be {bound} {limit}{null}, got {got}" + (f" (at {key}{entry})" if entry else "")
@@ -664,7 +676,18 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
     if isinstance(lo.target_modules, list) and not lo.target_modules:
         err("lora.target_modules is an empty list; name modules, use all-linear, or null for peft's default",
             "lora.target_modules")
+    for key, names in (("lora.target_modules", _listed(lo.target_modules)), ("lora.trainable", lo.trainable)):
+        if any(not n.strip() for n in names):
+            err(f"{key}: an empty module name (a name matches modules by suffix, so an empty one would match every "
+                f"module); remove it", key)
+            problems.bad.add(key)
 
+    for key, paths in (("data.files", d.files), ("eval.data", _listed(e.data) if e.enabled else [])):
+        if any(not f.strip() for f in paths):
+            folder = "the recipe folder" if recipe.source else "the working directory"
+            err(f"{key}: an empty path (it would name {folder}, read as a whole); remove it or give a file or folder",
+                key)
+            problems.bad.add(key)
     if not d.files and not d.dataset:
         err("data: give data.files (text/JSONL files or folders, or reference:train) or data.dataset "
             "(a datasets name)", "data.files")
@@ -675,6 +698,16 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
     if t.batch_size % t.micro_batch_size:
         err(f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size "
             f"({t.micro_batch_size})", "train.batch_size")
+    elif t.batch_size // t.micro_batch_size > MAX_MICRO_BATCHES and "train.micro_batch_size" not in problems.bad:
+        err(f"train.batch_size / train.micro_batch_size = {t.batch_size // t.micro_batch_size} micro-batches per "
+            f"optimizer step (gradient accumulation x processes), more than the {MAX_MICRO_BATCHES} ctxext allows: a "
+            "step runs them all before its first update, so this many would stall at step 0; lower "
+            "train.batch_size (LoRA recipes use 8 to a few hundred sequences) or raise train.micro_batch_size",
+            "train.batch_size")
+    if d.max_sequences is not None and t.batch_size > d.max_sequences and "data.max_sequences" not in problems.bad:
+        err(f"train.batch_size ({t.batch_size}) is larger than data.max_sequences ({d.max_sequences}), the most "
+            "packed sequences the run keeps: one optimizer step would repeat sequences; lower train.batch_size or "
+            "raise data.max_sequences", "train.batch_size")
     if len(t.betas) != 2:
         err(f"train.betas must be two numbers, got {t.betas}", "train.betas")
     elif not all(0 <= b < 1 for b in t.betas):
@@ -705,6 +738,13 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
                     "eval.data")
     if own:
         problems.raise_if_any()
+
+
+def _listed(value) -> list[str]:
+    """A key that takes one name or a list of them, as a list of strings (null: none)."""
+    if value is None:
+        return []
+    return [value] if isinstance(value, str) else [str(v) for v in value]
 
 
 #: patch methods that take positions out of the model's input: PoSE, which trains through the position ids, has

@@ -137,8 +137,36 @@ def check_lora(recipe: Recipe, model: nn.Module) -> None:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
         problems.append(f"lora.trainable: no module named {', '.join(map(repr, missing))} in "
                         f"{type(model).__name__}; module names include: {', '.join(leaves[:40])}")
+    if not problems:
+        full = _full_rank(model, targets)
+        if full and lo.r > full:
+            problems.append(f"lora.r ({lo.r}) is larger than the rank any targeted layer can have (at most {full}, "
+                            "the smaller side of its weight): the update B @ A cannot exceed it, so the extra rank "
+                            f"only costs memory; use lora.r <= {full}")
     if problems:
         raise RecipeError("; ".join(problems), problems)
+
+
+def _full_rank(model: nn.Module, targets) -> int | None:
+    """The largest min(in, out) over the linear layers LoRA would adapt (None when none is found)."""
+    if targets is None:
+        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+
+        targets = list(defaults.get(getattr(model.config, "model_type", None), []))
+    out = getattr(model, "get_output_embeddings", lambda: None)()
+    ranks = []
+    for n, m in model.named_modules():
+        if not n or not _is_linear(m):
+            continue
+        if targets == "all-linear":
+            if m is out:
+                continue
+        elif not any(n == t or n.endswith("." + t) or fnmatch.fnmatch(n, t) for t in targets):
+            continue
+        weight = getattr(m, "weight", None)
+        if weight is not None and weight.dim() == 2:
+            ranks.append(min(weight.shape))
+    return max(ranks) if ranks else None
 
 
 def _is_linear(m: nn.Module) -> bool:

@@ -68,9 +68,32 @@ class RunLog:
         self.path.write_text("".join(line + "\n" for line in keep))
 
 
+def check_output(recipe: Recipe) -> None:
+    """output.dir can be made and written: probed (a temporary file created and removed in it, or in the nearest
+    folder that exists on the way), so a run that could not save fails before any model loads."""
+    from ..outputs import check_writable_folder
+
+    try:
+        check_writable_folder(recipe.output.dir, "output.dir")
+    except ValueError as exc:
+        raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "") + str(exc)) from None
+
+
+def check_data_size(recipe: Recipe, sequences: int, seq_length: int) -> None:
+    """The global batch fits in the data: one optimizer step must not use a packed sequence twice."""
+    batch = recipe.train.batch_size
+    if batch > sequences:
+        raise RecipeError(
+            f"train.batch_size ({batch}) is larger than the {sequences} packed sequences of {seq_length} tokens in "
+            f"the data: one optimizer step would use some of them twice; lower train.batch_size to at most "
+            f"{sequences}, add data, or shorten data.seq_length"
+        )
+
+
 def check(recipe: Recipe) -> dict[str, Any]:
-    """Every check that needs no weights: the recipe, the patch against the architecture, the LoRA targets.
-    Returns what the run would record (the patch spec and the training length)."""
+    """Every check that needs no weights: the output folder can be written, the recipe, the patch against the
+    architecture, the LoRA targets. Returns what the run would record (the patch spec and the training length)."""
+    check_output(recipe)
     model = skeleton(recipe.model)
     if model is None:
         return {"checked_architecture": False}
@@ -214,6 +237,7 @@ def run(
     def refuse(message, _key):
         raise RecipeError(message)
 
+    check_output(recipe)  # before anything is fetched or loaded: a run that could not save must not start
     check_model_sources(recipe.model, refuse, hub=True)  # a model that cannot load fails now, not after retries
     checked = check(recipe)
     # accelerate starts a multi-process (gloo) CPU run only when told cpu=True
@@ -240,7 +264,19 @@ def run(
             f"output.dir {str(out)!r} holds checkpoints of an earlier run ({latest.name}); pass --resume to continue "
             "it, or --set output.overwrite=true to start over"
         )
+    damaged: list[tuple[Path, str, str]] = []  # (checkpoint folder, file, what is wrong), newest first
     if resume and latest is not None:
+        latest, damaged = ckpt.newest_intact(out)
+        if latest is None:
+            path, name, why = damaged[0]
+            more = (f"; the {len(damaged) - 1} earlier checkpoint(s) are damaged too" if len(damaged) > 1 else "")
+            raise RecipeError(
+                f"cannot resume: checkpoint file {path / name} is damaged ({why}){more}, and no intact checkpoint is "
+                f"left in {out / ckpt.DIRNAME}; start over with --set output.overwrite=true"
+            )
+        for path, name, why in damaged:
+            say(f"checkpoint {path} is damaged ({name}: {why}); resuming from {latest.name}, the newest intact one "
+                f"(the damaged folder is set aside as {ckpt.DAMAGED_PREFIX}{path.name} when training starts)")
         ckpt.check_compatible(latest, recipe)
     log = RunLog(out / "log.jsonl", main)
 
@@ -252,6 +288,11 @@ def run(
     eval_tokens = eval_label = None
     if recipe.eval.enabled:
         eval_tokens, eval_label = read_eval_tokens(recipe, tokenizer)
+        too_long = [n for n in recipe.eval.lengths if n > eval_tokens.numel()]
+        if too_long:  # such a length scores nothing (perplexity n/a): say so before the model loads
+            raise RecipeError(f"eval.lengths: {', '.join(map(str, too_long))} longer than the {eval_tokens.numel()} "
+                              f"tokens of the evaluation text ({eval_label}), which would score nothing; use "
+                              f"lengths up to {eval_tokens.numel()} or more eval.data")
     model = load_model(recipe.model)
     if not checked["checked_architecture"]:
         check_patch(recipe, model)
@@ -279,6 +320,7 @@ def run(
         check_position_input(model, pose_target, recipe.patch.method)
     eval_lengths = eval_lengths or [pose_target or seq_length]
     data = build_packed_data(recipe, tokenizer, seq_length, pose_target)
+    check_data_size(recipe, len(data), seq_length)
     # -- only now, with the model loaded and the data read, is the output folder made (or an old run cleared):
     # a recipe that fails before this point leaves output.dir exactly as it was
     acc.wait_for_everyone()
@@ -288,6 +330,7 @@ def run(
             ckpt.remove_all(out)
             for name in ("log.jsonl", "results.json", "recipe.yaml", PATCH_FILE):
                 (out / name).unlink(missing_ok=True)
+        ckpt.set_aside([path for path, _, _ in damaged])  # newer than the one resumed: they must not count as newest
     acc.wait_for_everyone()
     tokens_per_step = t.batch_size * seq_length
     say(
@@ -390,7 +433,8 @@ def run(
                       tokens_per_s=tok_s, seconds=seconds)
         if not math.isfinite(mean_loss):
             bar.close()
-            raise RuntimeError(f"loss is {mean_loss} at step {state['step']}: lower train.lr or check the data")
+            raise RecipeError(f"loss is {mean_loss} at step {state['step']}: lower train.lr (or lora.alpha / lora.r, "
+                              "the scale of the LoRA update), or check the data")
         stopping = stop_after is not None and ran >= stop_after and state["step"] < t.steps
         if (t.save_every and state["step"] % t.save_every == 0 and state["step"] < t.steps) or stopping:
             path = ckpt.save(out, acc, state, recipe, keep=t.keep_checkpoints)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from ..outputs import check_writable_folder
 from .data import COPY_RANGE, corpus
 from .io import check_not_finished, write_atomic, write_json
 from .model import ModelConfig, build_model
@@ -94,6 +95,36 @@ QUICK = LabSettings(train_len=64, batch=24, steps=200, warmup=20, eval_windows=1
 #: ``ctxext lab``: <= 30 minutes on 2 CPU cores.
 FULL = LabSettings()
 
+#: Seconds one training step at the FULL settings takes on 2 CPU cores with one torch thread, measured: the mean of
+#: the six schemes' train_seconds / steps in benchmarks/results/lab/lab.json (2026-11-23, idle cores). Other settings
+#: are scaled by their multiply-adds per step (:func:`step_flops`): the quick settings measured 0.48x a full step
+#: (2026-11-24, rope and alibi, 20 steps each), the formula gives 0.48x. An estimate, not a promise: busy cores are
+#: slower (that measurement ran at about 1.8x these times).
+FULL_STEP_SECONDS = 0.48
+
+
+def step_flops(settings: LabSettings) -> float:
+    """Multiply-adds of one training step (forward and backward, about 3x the forward): per token, each layer's
+    projections, MLP and attention over the window, and the tied output head."""
+    cfg = settings.model_config()
+    d, t = settings.d_model, settings.train_len
+    per_token = settings.n_layers * (4 * d * d + 2 * d * settings.d_ff + 2 * t * d) + d * cfg.vocab_size
+    return 3.0 * per_token * t * settings.batch
+
+
+def estimated_train_seconds(settings: LabSettings, models: int = 1) -> float:
+    """Rough training time of ``models`` models at ``settings`` on 2 CPU cores (see FULL_STEP_SECONDS)."""
+    return models * settings.steps * FULL_STEP_SECONDS * step_flops(settings) / step_flops(FULL)
+
+
+def about(seconds: float) -> str:
+    """'about 40 s' / 'about 3 min' / 'about 2.5 h'."""
+    if seconds < 90:
+        return f"about {max(1, round(seconds))} s"
+    if seconds < 90 * 60:
+        return f"about {round(seconds / 60)} min"
+    return f"about {seconds / 3600:.1f} h"
+
 
 def parse_schemes(text: str | None) -> list[str]:
     if text is None:
@@ -150,6 +181,7 @@ def run_lab(settings: LabSettings, schemes, out, *, overwrite=False, plot=True, 
     settings.check()
     schemes = parse_schemes(schemes if isinstance(schemes, str) else ",".join(schemes))
     out = Path(out)
+    check_writable_folder(out, "--out")  # before training: the models and results must have somewhere to go
     check_not_finished(out, "lab.json", overwrite)
     t0 = time.perf_counter()
     train, held = corpus()

@@ -13,10 +13,22 @@ from pathlib import Path
 
 import torch
 
+from ..outputs import check_writable_folder
 from .data import corpus, eval_windows
 from .io import check_not_finished, write_atomic, write_json
 from .model import build_model
-from .run import FULL, QUICK, LabSettings, machine_info, model_path, parse_schemes, save_model, train_scheme
+from .run import (
+    FULL,
+    QUICK,
+    LabSettings,
+    about,
+    estimated_train_seconds,
+    machine_info,
+    model_path,
+    parse_schemes,
+    save_model,
+    train_scheme,
+)
 from .train import perplexity
 
 DEFAULT_SHIFT_SCHEMES = ("learned", "sinusoidal", "rope", "alibi")
@@ -119,8 +131,10 @@ def run_shift(out, *, quick=False, schemes=None, offsets=None, window=None, n_wi
     if n_windows < 1:
         raise ValueError(f"--windows must be positive, got {n_windows}")
     out = Path(out)
+    check_writable_folder(out, "--out")  # before training: the models and results must have somewhere to go
     check_not_finished(out, "shift.json", overwrite)
-    loaded = load_lab_models(out, schemes) if settings is None and steps is None else None
+    asked = settings is not None or steps is not None  # new models asked for, rather than the lab's reused
+    loaded = load_lab_models(out, schemes) if not asked else None
     if loaded is None and settings is None and steps is None and (out / "models" / "settings.json").exists():
         have = sorted(p.stem for p in (out / "models").glob("*.pt"))
         raise ValueError(f"the lab models in {out / 'models'} are {', '.join(have) or 'none'}; they lack "
@@ -137,6 +151,18 @@ def run_shift(out, *, quick=False, schemes=None, offsets=None, window=None, n_wi
     window = window or default_window(settings)
     offsets = offsets or default_offsets(settings, window)
     check_offsets(settings, schemes, window, offsets)
+    if models is None and progress:  # say so before minutes of training, not after
+        if steps is not None:
+            why = "--steps was given, so it trains new models"
+        elif asked:
+            why = "training new models"
+        else:
+            why = f"no trained lab models in {out / 'models'}, so it must train its own"
+        reuse = "" if asked else (f"; to reuse a lab's models instead, run `ctxext lab{' --quick' if quick else ''} "
+                                  f"--out {out}` first")
+        print(f"lab shift: {why}: {len(schemes)} models ({', '.join(schemes)}) x {settings.steps} steps at "
+              f"training length {settings.train_len}, {about(estimated_train_seconds(settings, len(schemes)))} on 2 "
+              f"idle CPU cores, saved in {out / 'shift-models'}{reuse}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     train, held = corpus()
     if models is None:
