@@ -1,4 +1,4 @@
-"""Time sdpa vs ctxext_alibi / ctxext_remap with and without the flex path (ctxext.flex_paths), small LLaMA.
+"""Time sdpa vs ctxext_alibi / ctxext_remap with and without the flex path (ctxext.attention.flex_paths), small LLaMA.
 
     python bench_flex.py            # from the repo root; env: T=16384 RUNS=5 METHODS=alibi,self-extend,...
 """
@@ -11,8 +11,8 @@ from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM  # no
 
 import ctxext  # noqa: E402
 import ctxext.attention as A  # noqa: E402
-import ctxext.flex_functions as FF  # noqa: E402
-import ctxext.remap_attention as R  # noqa: E402
+import ctxext.attention.flex_functions as FF  # noqa: E402
+import ctxext.attention.remap as R  # noqa: E402
 
 DEV = os.environ.get("DEVICE", "cuda")
 DT = getattr(torch, os.environ.get("DTYPE", "bfloat16"))

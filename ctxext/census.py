@@ -420,7 +420,7 @@ def _rope_reference(model, method: str):
 
 
 def _config_state(model) -> str:
-    from .attention import _configs
+    from .attention.features import _configs
 
     return repr([sorted((k, repr(v)) for k, v in vars(c).items()) for c in _configs(model)])
 

@@ -11,7 +11,8 @@ from checks import causal, generate_equals_full_forward, padded_batch_equals_sin
 from conftest import tiny_gpt2, tiny_llama
 
 import ctxext
-from ctxext import PatchError, attention
+from ctxext import PatchError
+from ctxext.attention import alibi as attention
 from ctxext.methods.alibi import alibi_bias, alibi_slopes, interpolated_slopes
 
 
@@ -296,9 +297,9 @@ def test_failed_attention_switch_leaves_nothing_behind(monkeypatch):
 def test_swap_refused_clearly_where_transformers_lacks_the_attention_hook_point(llama, monkeypatch):
     """A transformers without AttentionInterface / AttentionMaskInterface: a PatchError naming the version that has
     them, before the model is touched (not an ImportError or AttributeError)."""
-    import ctxext.attention
+    import ctxext.attention.interface as interface
 
-    monkeypatch.setattr(ctxext.attention, "MISSING_HOOK", ctxext.attention.MISSING_HOOK_MESSAGE)
+    monkeypatch.setattr(interface, "MISSING_HOOK", interface.MISSING_HOOK_MESSAGE)
     before = llama.config._attn_implementation
     with pytest.raises(ctxext.PatchError, match=r"AttentionInterface.*transformers 4\.53"):
         ctxext.patch(llama, "alibi")

@@ -1,4 +1,4 @@
-"""The flex-attention paths (``ctxext.flex_paths``) against the existing chunked-sdpa attention functions.
+"""The flex-attention paths (``ctxext.attention.flex_paths``) against the existing chunked-sdpa attention functions.
 
 On CPU flex runs eagerly (``CTXEXT_FLEX=force``), so these compare outputs at small lengths in float32; the GPU
 tests (marked ``gpu``) compare the compiled CUDA path at 4096 tokens in float32 and bfloat16. References run with
@@ -19,9 +19,9 @@ from torch import nn
 from conftest import rope_kwargs
 
 import ctxext.attention as A
-import ctxext.flex_functions as FF
-import ctxext.flex_paths as FP
-import ctxext.remap_attention as R
+import ctxext.attention.flex_functions as FF
+import ctxext.attention.flex_paths as FP
+import ctxext.attention.remap as R
 from ctxext.methods.remap import build_map
 
 pytestmark = [

@@ -5,7 +5,7 @@ batches, exact restore and bad input.
 The dense reference runs the same model with its rotary modules turned off (so attention receives un-rotated q and
 k) and an attention function written here: for every (query i, key j) pair it takes the relative position the
 paper defines, rotates q_i by it explicitly (``R(a) q . R(b) k = R(a - b) q . k``) in float64, builds the full
-(T x T) scores, masks, softmaxes. It shares nothing with ``ctxext.methods.remap`` or ``ctxext.remap_attention``.
+(T x T) scores, masks, softmaxes. It shares nothing with ``ctxext.methods.remap`` or ``ctxext.attention.remap``.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 from conftest import rope_kwargs
 
-import ctxext.remap_attention as remap_attention
+import ctxext.attention.remap as remap_attention
 from ctxext.adapters.remap import REMAP_METHODS, apply_remap, check_remap
 from ctxext.attention import use_attention
 from ctxext.errors import PatchError

@@ -1,8 +1,9 @@
-"""The log-sum-exp path of the remap attention (``ctxext.lse_attention``, ``remap_attention.LSE_PATH``): band + far
-attention on the fused CPU flash kernel for maps that declare ``band_far``.
+"""The log-sum-exp path of the remap attention (``ctxext.attention.lse``, ``remap_attention.LSE_PATH``): key ranges
+(``KeySplit``) on the fused CPU flash kernel, merged by log-sum-exp.
 
-The dense reference here is written from the definition (rotation 0 for distances below ``near``, rotation 1 from
-it on, causal, one softmax) and shares nothing with the module; end to end, a patched model's logits with the path
+The dense reference here is written from the definition (one softmax over all pairs, each pair scored under the
+rotation its range gives, or masked), and each method's declared ranges are checked pair by pair against its own
+``select`` and shares nothing with the module; end to end, a patched model's logits with the path
 on equal those with it off (the chunked path, itself checked against the papers' definitions in test_remap.py), and
 a call counter makes sure the path was taken (or not, where it must not be).
 """
@@ -16,8 +17,8 @@ import torch
 
 from conftest import tiny_llama
 
-import ctxext.lse_attention as lse_attention
-import ctxext.remap_attention as remap_attention
+import ctxext.attention.lse as lse_attention
+import ctxext.attention.remap as remap_attention
 from ctxext.adapters.remap import apply_remap
 from ctxext.methods.remap import build_map
 
@@ -26,74 +27,121 @@ pytestmark = pytest.mark.skipif(not lse_attention.available(), reason="the CPU f
 L0 = 64  # tiny_llama's trained length
 
 
-def _dense(q0, q1, k0, k1, v, near, scale):
-    """(batch, T, heads, dim) in float64: scores under rotation 0 for 0 <= i - j < near, rotation 1 beyond, causal."""
+def _dense(q0, q1, k0, k1, v, which, scale):
+    """(batch, T, heads, dim) in float64: one softmax over the pairs, rotation ``which[i, j]`` (0 or 1; -1 masked)."""
     q0, q1, k0, k1, v = (t.double() for t in (q0, q1, k0, k1, v))
-    heads, kv_heads, T = q0.shape[1], k0.shape[1], q0.shape[2]
+    heads, kv_heads = q0.shape[1], k0.shape[1]
     rep = heads // kv_heads  # query head h reads key head h // rep (transformers' repeat_kv)
     k0, k1, v = (t.repeat_interleave(rep, dim=1) for t in (k0, k1, v))
-    i = torch.arange(T)
-    d = i[:, None] - i[None, :]
-    s = torch.where(d < near, q0 @ k0.transpose(-1, -2), q1 @ k1.transpose(-1, -2)) * scale
-    s = s.masked_fill(d < 0, -math.inf)
+    s = torch.where(which == 0, q0 @ k0.transpose(-1, -2), q1 @ k1.transpose(-1, -2)) * scale
+    s = s.masked_fill(which < 0, -math.inf)
     return (s.softmax(-1) @ v).transpose(1, 2)
 
 
-@pytest.mark.parametrize("T,near,batch", [(300, 64, 2), (517, 64, 1), (600, 250, 2), (400, 1, 1), (129, 128, 1)])
-def test_band_far_matches_the_dense_definition(T, near, batch):
-    g = torch.Generator().manual_seed(T + near)
+def _which(near_start, far_keys):
+    """The KeySplit definition, pair by pair: near keys near_start(i) .. i, far keys below min(near_start(i), G)."""
+    T = near_start.numel()
+    j = torch.arange(T)[None, :]
+    i = torch.arange(T)[:, None]
+    start = near_start[:, None]
+    far_end = start if far_keys is None else start.clamp(max=far_keys)
+    return torch.where((j >= start) & (j <= i), 0, torch.where(j < far_end, 1, -1))
+
+
+def _inputs(seed, batch, T, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
     heads, kv_heads, dim = 4, 2, 16  # GQA
-    q0, q1 = torch.randn(2, batch, heads, T, dim, generator=g).unbind(0)
-    k0, k1, v = torch.randn(3, batch, kv_heads, T, dim, generator=g).unbind(0)
-    out = lse_attention.band_far_attention((q0, q1), (k0, k1), v, near, dim**-0.5)
-    assert out.shape == (batch, T, heads, dim) and out.dtype == torch.float32 and out.is_contiguous()
-    torch.testing.assert_close(out.double(), _dense(q0, q1, k0, k1, v, near, dim**-0.5), atol=1e-5, rtol=0)
+    q0, q1 = torch.randn(2, batch, heads, T, dim, generator=g).to(dtype).unbind(0)
+    k0, k1, v = torch.randn(3, batch, kv_heads, T, dim, generator=g).to(dtype).unbind(0)
+    return (q0, q1), (k0, k1), v
 
 
-def test_band_far_with_several_band_blocks_and_a_partial_last_one(monkeypatch):
-    monkeypatch.setattr(lse_attention, "BAND_BLOCK", 48)
-    monkeypatch.setattr(lse_attention, "MIN_BAND_BLOCK", 16)
-    g = torch.Generator().manual_seed(1)
-    q0, q1 = torch.randn(2, 1, 4, 333, 16, generator=g).unbind(0)
-    k0, k1, v = torch.randn(3, 1, 2, 333, 16, generator=g).unbind(0)
-    for near in (5, 48, 100):  # blocks of 16, 48 and 48 rows (333 is no multiple of any)
-        out = lse_attention.band_far_attention((q0, q1), (k0, k1), v, near, 0.3)
-        torch.testing.assert_close(out.double(), _dense(q0, q1, k0, k1, v, near, 0.3), atol=1e-5, rtol=0)
+def _band(T, near):
+    return (torch.arange(T) - near + 1).clamp(min=0)
 
 
-def test_band_far_bfloat16_is_close_to_the_dense_definition():
-    g = torch.Generator().manual_seed(2)
-    q0, q1 = torch.randn(2, 1, 4, 300, 16, generator=g).bfloat16().unbind(0)
-    k0, k1, v = torch.randn(3, 1, 2, 300, 16, generator=g).bfloat16().unbind(0)
-    out = lse_attention.band_far_attention((q0, q1), (k0, k1), v, 64, 0.25)
+def _chunks(T, s, w):  # DCA's shape: the query's chunk, and the one before for the first w rows of a chunk
+    i = torch.arange(T)
+    chunk = i // s
+    return (chunk - ((i % s < w) & (chunk > 0)).long()) * s
+
+
+SHAPES = {
+    "band": (300, lambda T: _band(T, 64), None, 2),
+    "band, one key": (400, lambda T: _band(T, 1), None, 1),
+    "band, partial": (517, lambda T: _band(T, 250), None, 1),
+    "band near T": (129, lambda T: _band(T, 128), None, 1),
+    "band and sinks": (300, lambda T: _band(T, 40), 4, 2),
+    "band, no sinks": (300, lambda T: _band(T, 40), 0, 1),
+    "window then band, sinks": (300, lambda T: torch.where(torch.arange(T) < 100, 0, _band(T, 60)), 5, 1),
+    "chunks": (333, lambda T: _chunks(T, 48, 16), None, 2),
+    "chunks, no window": (333, lambda T: _chunks(T, 50, 0), None, 1),
+    "random starts": (257, lambda T: (torch.rand(T, generator=torch.Generator().manual_seed(9)) *
+                                      (torch.arange(T) + 1)).long(), 30, 2),
+}
+
+
+@pytest.mark.parametrize("name", list(SHAPES))
+@pytest.mark.parametrize("block,min_block,min_run", [(1024, 128, 64), (48, 16, 4)])
+def test_split_attention_matches_the_dense_definition(monkeypatch, name, block, min_block, min_run):
+    # the shipped block sizes (mostly one block at these lengths, bands in blocks of 128, fixed blocks for chunks),
+    # and small ones: several blocks, partial last ones, blocks that follow DCA's runs of one near start
+    monkeypatch.setattr(lse_attention, "BLOCK", block)
+    monkeypatch.setattr(lse_attention, "MIN_BLOCK", min_block)
+    monkeypatch.setattr(lse_attention, "MIN_RUN", min_run)
+    T, starts, far_keys, batch = SHAPES[name]
+    near_start = starts(T)
+    queries, keys, v = _inputs(T + block, batch, T)
+    out = lse_attention.split_attention(queries, keys, v, near_start, far_keys, 16**-0.5)
+    assert out.shape == (batch, T, 4, 16) and out.dtype == torch.float32 and out.is_contiguous()
+    reference = _dense(*queries, *keys, v, _which(near_start, far_keys), 16**-0.5)
+    torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=0)
+
+
+def test_split_attention_bfloat16_is_close_to_the_dense_definition():
+    queries, keys, v = _inputs(2, 1, 300, torch.bfloat16)
+    near_start = _chunks(300, 64, 20)
+    out = lse_attention.split_attention(queries, keys, v, near_start, None, 0.25)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), _dense(q0, q1, k0, k1, v, 64, 0.25), atol=2e-2, rtol=0)
+    reference = _dense(*queries, *keys, v, _which(near_start, None), 0.25)
+    torch.testing.assert_close(out.double(), reference, atol=2e-2, rtol=0)
 
 
-def test_the_declared_band_far_maps_have_that_shape():
-    cases = {
-        ("self-extend", 8, ()): True,
-        ("rerope", 8, ()): True,
-        ("rerope", 8, (("leaky", 4.0),)): True,
-        ("string", None, ()): True,
-        ("dca", 8, ()): False,
-        ("lm-infinite", 8, ()): False,
-        ("streaming-llm", 8, ()): False,
-    }
-    i = torch.arange(400)[:, None]
-    j = torch.arange(400)[None, :]
-    for (method, factor, options), declared in cases.items():
-        pmap = build_map(method, L0, factor, **dict(options))
-        assert pmap.band_far is declared, method
-        if declared:
-            assert len(pmap.rotations) == 2 and pmap.rotations[0].is_identity and pmap.near == int(pmap.near)
-            which = pmap.select(i, j)
-            d = i - j
-            causal = d >= 0
-            assert bool((which[causal & (d < pmap.near)] == 0).all()), method
-            assert bool((which[d >= pmap.near] == 1).all()), method
-    # identity settings stay identity maps, not band_far
-    assert not build_map("self-extend", L0, 1).band_far
+def test_split_attention_refuses_a_start_past_the_query():
+    queries, keys, v = _inputs(3, 1, 20)
+    bad = torch.arange(20)
+    bad[5] = 6  # query 5 would not see itself
+    with pytest.raises(ValueError, match="near_start"):
+        lse_attention.split_attention(queries, keys, v, bad, None, 0.25)
+
+
+DECLARED = [
+    ("self-extend", 8, {}), ("self-extend", 8, {"group": 3, "window": 10}),
+    ("rerope", 8, {}), ("rerope", 8, {"leaky": 4.0}), ("rerope", 8, {"window": 7, "log_scale": False}),
+    ("string", None, {}), ("string", 1.5, {"shift": 40, "local": 3}),
+    ("dca", 8, {}), ("dca", 8, {"chunk_size": 20, "local_window": 0}), ("dca", 8, {"chunk_size": 40}),
+    ("lm-infinite", 8, {}), ("lm-infinite", 8, {"global_tokens": 0, "window": 30}),
+    ("streaming-llm", 8, {}), ("streaming-llm", 8, {"sinks": 0, "window": 17}),
+]
+
+
+@pytest.mark.parametrize("method,factor,options", DECLARED)
+def test_each_declared_split_restates_the_methods_selection(method, factor, options):
+    """A method's key ranges say exactly what its ``select`` (checked against the paper in test_remap.py) says."""
+    pmap = build_map(method, L0, factor, **options)
+    assert pmap.split is not None and len(pmap.rotations) == 2 and pmap.rotations[0].is_identity
+    T = 600
+    i = torch.arange(T)[:, None]
+    j = torch.arange(T)[None, :]
+    which = pmap.select(i, j).long().masked_fill(j > i, -1)
+    expected = _which(pmap.split.near_start(torch.arange(T)), pmap.split.far_keys)
+    assert torch.equal(which, expected), method
+
+
+def test_identity_settings_declare_no_split():
+    for method, factor, options in [("self-extend", 1, {}), ("string", None, {"shift": 0}),
+                                    ("rerope", 8, {"leaky": 1.0})]:
+        assert build_map(method, L0, factor, **options).split is None, method
 
 
 def test_is_causal_mask_check():
@@ -119,17 +167,19 @@ def test_is_causal_mask_check():
 
 def _counting(monkeypatch):
     calls = []
-    real = remap_attention.band_far_attention
+    real = remap_attention.split_attention
 
     def counted(*args, **kwargs):
         calls.append(args[0][0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(remap_attention, "band_far_attention", counted)
+    monkeypatch.setattr(remap_attention, "split_attention", counted)
     return calls
 
 
-CASES = [("self-extend", 8, {}), ("rerope", 8, {}), ("rerope", 8, {"leaky": 4.0}), ("string", None, {})]
+CASES = [("self-extend", 8, {}), ("rerope", 8, {}), ("rerope", 8, {"leaky": 4.0}), ("string", None, {}),
+         ("dca", 8, {"chunk_size": 40}), ("lm-infinite", 8, {"window": 50}), ("streaming-llm", 8, {"window": 50}),
+         ("streaming-llm", 8, {"sinks": 0, "window": 50})]
 
 
 @pytest.mark.parametrize("method,factor,options", CASES)
@@ -184,19 +234,20 @@ def test_gradients_padding_and_cached_decoding_take_the_chunked_path(monkeypatch
     assert len(calls) == 2 and all(shape[2] == 300 for shape in calls)
 
 
-def test_methods_without_the_shape_never_take_the_path(monkeypatch):
+def test_soft_capped_attention_never_takes_the_path(monkeypatch):
+    from ctxext import census
+
     monkeypatch.setattr(remap_attention, "LSE_MIN_LEN", 64)
     calls = _counting(monkeypatch)
-    for method in ("dca", "lm-infinite", "streaming-llm"):
-        model = tiny_llama()
-        apply_remap(model, method, 8, {})
-        with torch.no_grad():
-            model(torch.randint(0, 128, (1, 300)))
+    model = census.build_tiny("gemma2")  # attention logits soft-capped: the chunked "scores" path only
+    apply_remap(model, "self-extend", 8, {})
+    with torch.no_grad():
+        model(torch.randint(0, 128, (1, 300)))
     assert not calls
 
 
 def test_the_causal_mask_check_reads_a_new_mask_anew():
-    from ctxext import remap_attention as ra
+    from ctxext.attention import remap as ra
 
     t = 6
     causal = torch.ones(1, t, t, dtype=torch.bool).tril()

@@ -31,7 +31,7 @@ from ..active import pickle_refusal
 from ..attention import can_use_attention, use_attention
 from ..errors import PatchError
 from ..methods.remap import REMAP_METHODS, PositionMap, build_map, identity_map, target_length
-from ..remap_attention import PROBE, PROBE_ATTR, REMAP, STATE_ATTR, RemapState
+from ..attention.remap import PROBE, PROBE_ATTR, REMAP, STATE_ATTR, RemapState
 from .base import Restore, run_all
 from .rotary_units import _unit_saver, original_rotation, rotary_units, unit_inputs
 
@@ -52,7 +52,7 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def _configs(model: nn.Module) -> list:
-    from ..attention import _configs as configs
+    from ..attention.features import _configs as configs
 
     return configs(model)
 

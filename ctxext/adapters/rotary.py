@@ -285,7 +285,7 @@ def positions_not_rotary(model: nn.Module) -> str | None:
 
 
 def _configs(model: nn.Module) -> list:
-    from ..attention import _configs as configs
+    from ..attention.features import _configs as configs
 
     return configs(model)
 

@@ -66,6 +66,29 @@ IDENTITY = Rotation()
 
 
 @dataclass(frozen=True)
+class KeySplit:
+    """A two-rotation map as key ranges per query (``select`` restated for a full pass over positions 0 .. T-1):
+    the query at i sees keys ``near_start(i) .. i`` under rotation 0 and keys ``0 .. min(near_start(i),
+    far_keys) - 1`` under rotation 1; every other key is masked. ``near_start(i) <= i`` (a query always sees
+    itself), and ``far_keys`` None means no far key is masked. Each range is a contiguous run of keys, which is
+    what a fused attention kernel takes (``ctxext.attention.lse.split_attention``)."""
+
+    #: (T,) int64 query positions -> (T,) int64, the first key each query sees under rotation 0
+    near_start: Callable[[torch.Tensor], torch.Tensor]
+    #: how many leading keys rotation 1 may reach (sinks, global tokens); None: all keys before ``near_start``
+    far_keys: int | None = None
+
+
+def _band_start(window: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``near_start`` of a band: keys closer than ``window`` at rotation 0."""
+
+    def near_start(i: torch.Tensor) -> torch.Tensor:
+        return (i - window + 1).clamp(min=0)
+
+    return near_start
+
+
+@dataclass(frozen=True)
 class PositionMap:
     """Which rotation each (query, key) pair uses; see the module docstring."""
 
@@ -81,10 +104,9 @@ class PositionMap:
     options: dict[str, Any] = field(default_factory=dict)
     #: every pair (0 <= j <= i) whose query position i is below this uses rotations[0] (0: no such promise)
     plain_below: float = 0
-    #: the map is exactly two rotations with select(i, j) = 0 for 0 <= i - j < near and 1 for every i - j >= near
-    #: (no causal pair masked, ``near`` a whole number): attention is then a band at true positions plus one causal
-    #: call over the far pairs, merged by log-sum-exp (``ctxext.lse_attention``, a CPU inference path)
-    band_far: bool = False
+    #: the map's key ranges for fused attention kernels (``KeySplit``; None: not declared). A full pass under it
+    #: runs as a few fused calls merged by log-sum-exp (``ctxext.attention.lse``) instead of per-pair selection
+    split: KeySplit | None = None
 
     @property
     def is_identity(self) -> bool:
@@ -194,7 +216,8 @@ def self_extend(original_length: int, factor: float | None = None, group: int | 
 
     far = Rotation(query=lambda i: torch.div(i, group, rounding_mode="floor") + shift,
                    key=lambda j: torch.div(j, group, rounding_mode="floor"))
-    return PositionMap(method, (IDENTITY, far), _window_select(window), window, None, options, band_far=True)
+    return PositionMap(method, (IDENTITY, far), _window_select(window), window, None, options,
+                       split=KeySplit(_band_start(window)))
 
 
 # --------------------------------------------------------------------------------------- Dual Chunk Attention
@@ -265,7 +288,12 @@ def dca(original_length: int, factor: float | None = None, chunk_size: int | Non
 
     # pairs at distance <= w never cross two chunk boundaries (w <= s) and, crossing one, have i mod s < w;
     # queries before s + w are in the first chunk or within the window of the second
-    return PositionMap(method, (IDENTITY, far), select, w + 1, None, options, plain_below=s + w)
+    def near_start(i: torch.Tensor) -> torch.Tensor:  # the query's chunk, and the one before within the window
+        chunk = torch.div(i, s, rounding_mode="floor")
+        return (chunk - ((torch.remainder(i, s) < w) & (chunk > 0)).long()) * s
+
+    return PositionMap(method, (IDENTITY, far), select, w + 1, None, options, plain_below=s + w,
+                       split=KeySplit(near_start))
 
 
 # ------------------------------------------------------------------------------------------------------ ReRoPE
@@ -312,7 +340,8 @@ def rerope(original_length: int, factor: float | None = None, window: int | None
         far = Rotation(query=lambda i: (i.double() + offset) / k, key=lambda j: j.double() / k)
     if far is IDENTITY:
         return PositionMap(method, (IDENTITY,), _all_near, math.inf, scale, options)
-    return PositionMap(method, (IDENTITY, far), _window_select(window), window, scale, options, band_far=True)
+    return PositionMap(method, (IDENTITY, far), _window_select(window), window, scale, options,
+                       split=KeySplit(_band_start(window)))
 
 
 # ------------------------------------------------------------------------------------------------- LM-Infinite
@@ -340,7 +369,8 @@ def lm_infinite(original_length: int, factor: float | None = None, global_tokens
         near = (i - j) < window
         return torch.where(near, 0, torch.where(j < global_tokens, 1, -1)).to(torch.int8)
 
-    return PositionMap(method, (IDENTITY, far), select, window, None, options)
+    return PositionMap(method, (IDENTITY, far), select, window, None, options,
+                       split=KeySplit(_band_start(window), global_tokens))
 
 
 def streaming_llm(original_length: int, factor: float | None = None, sinks: int = 4,
@@ -371,7 +401,11 @@ def streaming_llm(original_length: int, factor: float | None = None, sinks: int 
         kept = ((i - j) < window) | (i < cache)
         return torch.where(kept, 0, torch.where(j < sinks, 1, -1)).to(torch.int8)
 
-    return PositionMap(method, (IDENTITY, far), select, window, None, options, plain_below=cache)
+    def near_start(i: torch.Tensor) -> torch.Tensor:  # the whole causal prefix while the cache holds it
+        return torch.where(i < cache, 0, (i - window + 1).clamp(min=0))
+
+    return PositionMap(method, (IDENTITY, far), select, window, None, options, plain_below=cache,
+                       split=KeySplit(near_start, sinks))
 
 
 # ------------------------------------------------------------------------------------------------------ STRING
@@ -419,7 +453,8 @@ def string(original_length: int, factor: float | None = None, shift: int | None 
     far = Rotation(query=_same, key=lambda j: j + (shift - local))
     if shift == local:
         return identity_map(method, options)
-    return PositionMap(method, (IDENTITY, far), _window_select(shift), shift, None, options, band_far=True)
+    return PositionMap(method, (IDENTITY, far), _window_select(shift), shift, None, options,
+                       split=KeySplit(_band_start(shift)))
 
 
 #: method name -> position-map builder(original_length, factor, **options)

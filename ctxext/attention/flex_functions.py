@@ -1,14 +1,14 @@
 """Drop-in attention functions with the flex path forced where it applies, for registering with transformers'
 ``AttentionInterface`` by hand (tests, ``benchmarks/bench_flex.py``): ``ctxext_alibi`` and ``ctxext_remap``
-themselves already take ``ctxext.flex_paths`` on CUDA for long prefills. Each falls back to the plain function
+themselves already take ``ctxext.attention.flex_paths`` on CUDA for long prefills. Each falls back to the plain function
 where flex does not apply."""
 
 from __future__ import annotations
 
 import torch
 
-from . import attention as A
-from . import remap_attention as R
+from . import alibi as A
+from . import remap as R
 from .flex_paths import alibi_q_start, flex_alibi, flex_remap, use_flex
 
 
@@ -39,7 +39,7 @@ def alibi_attention_forward_flex(module, query, key, value, attention_mask, drop
 def remap_attention_forward_flex(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
                                  is_causal=None, **kwargs):
     """``ctxext_remap`` with the flex path replacing its chunk loop (same preamble and fast path as
-    ``ctxext.remap_attention.remap_attention_forward``); falls back to that function where flex does not apply."""
+    ``ctxext.attention.remap.remap_attention_forward``); falls back to that function where flex does not apply."""
     state = getattr(module, R.STATE_ATTR, None)
     q_len = query.shape[2]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)

@@ -1,6 +1,6 @@
 """Flex-attention paths for ctxext's swapped-in attention functions (``ctxext_alibi``, ``ctxext_remap``).
 
-The chunked sdpa loops in ``ctxext.attention`` and ``ctxext.remap_attention`` keep memory bounded on any device, but
+The chunked sdpa loops in ``ctxext.attention`` and ``ctxext.attention.remap`` keep memory bounded on any device, but
 on a GPU they are many small kernel launches with materialised boolean / float masks. Here the same computations
 run as ONE ``torch.nn.attention.flex_attention`` call (compiled on CUDA; eager on CPU, for tests) with a block mask,
 so fully masked tiles are skipped and fully visible tiles run without evaluating any mask:
@@ -29,7 +29,7 @@ turns them on for any device (CPU runs flex eagerly: slow, O(T^2) memory; for te
 ``use_flex(query, dropout, key, value)``: the callers' test (several queries, no dropout, flex available; off CUDA
 only without autograd, as flex has no CPU backward).
 
-Drop-in attention functions that force these paths (for tests and benchmarks) live in ``ctxext.flex_functions``.
+Drop-in attention functions that force these paths (for tests and benchmarks) live in ``ctxext.attention.flex_functions``.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ first chunk and local window), it rotates q and k once and calls transformers' o
 cost what the unpatched model costs. Otherwise the queries go in chunks of at most
 ``CHUNK_BYTES`` of scores, each chunk only over the keys up to its last query; a chunk whose pairs all use one
 rotation runs sdpa with a boolean mask; a chunk that mixes rotations runs the ``STRATEGY`` below. A long full pass on
-CPU without autograd under a map that declares ``band_far`` (Self-Extend, ReRoPE, STRING) skips the chunks: a band
-of neighbour blocks plus one causal call over the far pairs on the fused CPU flash kernel, merged by log-sum-exp
-(``ctxext.lse_attention``; ``LSE_PATH`` below says exactly when).
+CPU without autograd under a map that declares its key ranges (``KeySplit``: every method here) skips the chunks: a
+few calls of the fused CPU flash kernel per block of queries, one per key range, merged by log-sum-exp
+(``ctxext.attention.lse``; ``LSE_PATH`` below says exactly when).
 
 Soft-capping and sinks. A model whose attention soft-caps its logits (Gemma 2: ``softcap`` in the call's kwargs,
 ``cap * tanh(score / cap)`` before the mask, as its eager attention does) or adds a learned sink logit per head to
@@ -49,12 +49,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import dropped_features
+from ..methods.remap import PositionMap
+from .features import dropped_features
 from .flex_paths import flex_remap, use_flex
-from .lse_attention import DTYPES as LSE_DTYPES
-from .lse_attention import available as lse_available
-from .lse_attention import band_far_attention
-from .methods.remap import PositionMap
+from .lse import DTYPES as LSE_DTYPES
+from .lse import available as lse_available
+from .lse import split_attention
 
 REMAP = "ctxext_remap"
 STATE_ATTR = "_ctxext_remap"
@@ -70,11 +70,11 @@ MIN_ROWS = 128
 #: that picks each pair's copy). Measured on CPU (benchmarks/bench_remap.py): see ``STRATEGY_NOTE``.
 STRATEGY = "concat"
 STRATEGY_NOTE = ""
-#: The log-sum-exp path (``ctxext.lse_attention``): a full pass (positions 0 .. T-1, causal, no padding, q_len ==
-#: kv_len > near) on CPU without autograd, dropout, soft-capping or sinks, under a map that declares ``band_far``
-#: (Self-Extend, ReRoPE, STRING), runs as a band of neighbour blocks plus one causal call over the far pairs on the
-#: fused CPU flash kernel, merged exactly by log-sum-exp, instead of the chunks below. False turns it off (tests,
-#: benchmarks: the "before" of a measurement); every other call takes the paths below unchanged.
+#: The log-sum-exp path (``ctxext.attention.lse``): a full pass (positions 0 .. T-1, causal, no padding, q_len ==
+#: kv_len) on CPU without autograd, dropout, soft-capping or sinks, under a map that declares a ``KeySplit``, runs
+#: as a few fused CPU flash calls per block of queries (near keys, far keys), merged exactly by log-sum-exp, instead
+#: of the chunks below. False turns it off (tests, benchmarks: the "before" of a measurement); every other call
+#: takes the paths below unchanged.
 LSE_PATH = True
 #: ... only from this many tokens. The path already wins below it (the small benchmark LLaMA, factor 4, 1 thread, whole
 #: forward, path off -> on: 512 tokens 0.72 -> 0.62 s, 1024 1.87 -> 1.43 s, 2048 5.4 -> 3.5 s); the bound keeps
@@ -244,7 +244,9 @@ def remap_attention_forward(
     mask = None if attention_mask is None else _as_bool(attention_mask)[:, 0]  # (B or 1, q_len, kv_len)
     # a full pass on CPU without autograd under a band + far map: fused flash calls merged by log-sum-exp
     if not eager_only and _use_lse(pmap, query, key, value, dropout, qpos, kpos, mask):
-        return band_far_attention(queries, keys, value, int(pmap.near), scaling), None
+        split = pmap.split
+        near_start = split.near_start(torch.arange(q_len, device=query.device))
+        return split_attention(queries, keys, value, near_start, split.far_keys, scaling), None
     # a long prefill / full pass on CUDA: one block-sparse flex call
     if not eager_only and use_flex(query, dropout, key, value):
         raw = None if attention_mask is None else attention_mask[:, 0]  # its identity lets layers share a block mask
@@ -304,14 +306,12 @@ def remap_attention_forward(
 def _use_lse(pmap, query, key, value, dropout, qpos, kpos, mask) -> bool:
     """Whether this call may take the log-sum-exp path (see ``LSE_PATH``); every check is cheap except the mask's
     (one pass over it, only when a mask is given)."""
-    if not (LSE_PATH and pmap.band_far and len(pmap.rotations) == 2 and query.device.type == "cpu"):
+    if not (LSE_PATH and pmap.split is not None and len(pmap.rotations) == 2 and query.device.type == "cpu"):
         return False
     if dropout or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
         return False
     batch, heads, q_len, head_dim = query.shape
-    near = pmap.near
-    if (q_len != key.shape[2] or q_len < LSE_MIN_LEN or not math.isfinite(near) or near != int(near)
-            or not 0 < near < q_len):
+    if q_len != key.shape[2] or q_len < LSE_MIN_LEN:
         return False
     if query.dtype not in LSE_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return False

@@ -1,9 +1,10 @@
-"""Bias-based attention registered with transformers' attention interfaces.
+"""The ALiBi attention function.
 
 ``ctxext_alibi`` is an attention function registered with ``AttentionInterface`` *and* a mask function of the same
 name registered with ``AttentionMaskInterface`` (transformers' sdpa mask: without a mask entry, models would give
-the function no padding mask). A model uses it when its ``config._attn_implementation`` is ``ctxext_alibi``;
-``use_attention`` switches a model to it and returns the undo step.
+the function no padding mask; ``ctxext.attention.interface`` registers both). A model uses it when its
+``config._attn_implementation`` is ``ctxext_alibi``; ``use_attention`` switches a model to it and returns the undo
+step.
 
 The function adds the ALiBi bias ``-slope_h * (i - j)`` to the attention scores and runs
 ``torch.nn.functional.scaled_dot_product_attention``. It never builds a (heads x T x T) float bias for a long
@@ -23,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .errors import PatchError
+from ..methods.alibi import alibi_slopes
+from .features import dropped_features
 from .flex_paths import flex_alibi, use_flex
-from .methods.alibi import alibi_slopes
 
 ALIBI = "ctxext_alibi"
 
@@ -179,144 +180,4 @@ def alibi_attention_forward(
     return (out.flip(1) if q_len > 1 else out), None
 
 
-MISSING_HOOK_MESSAGE = (
-    "this transformers has no AttentionInterface / masking_utils.AttentionMaskInterface, the hook point of the ALiBi "
-    "swap (they exist from transformers 4.53; ctxext is tested from 4.56.2)"
-)
-#: Why the attention hook point is missing from the installed transformers (None: registered).
-MISSING_HOOK: str | None = None
-
-
-def _register() -> str | None:
-    """Register ``ctxext_alibi`` with both interfaces; where this transformers lacks one, say which and since when."""
-    try:
-        from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    except ImportError:
-        return MISSING_HOOK_MESSAGE
-    AttentionInterface.register(ALIBI, alibi_attention_forward)
-    AttentionMaskInterface.register(ALIBI, sdpa_mask)
-    return None
-
-
-MISSING_HOOK = _register()
-
-
-def _configs(model: nn.Module) -> list:
-    """Every config whose ``_attn_implementation`` a switch may change: the model's, its submodels', sub-configs."""
-    from transformers import PreTrainedModel
-
-    seen: dict[int, object] = {}
-    stack = [m.config for m in model.modules() if isinstance(m, PreTrainedModel)]
-    while stack:
-        config = stack.pop()
-        if id(config) in seen:
-            continue
-        seen[id(config)] = config
-        for key in getattr(config, "sub_configs", {}) or {}:
-            sub = getattr(config, key, None)
-            if sub is not None:
-                stack.append(sub)
-    return list(seen.values())
-
-
-def can_use_attention(model: nn.Module) -> str | None:
-    """None if ``model`` dispatches its attention through ``AttentionInterface``; otherwise why not."""
-    if MISSING_HOOK:
-        return MISSING_HOOK
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)
-    if can_set is None or not callable(getattr(model, "set_attn_implementation", None)):
-        return f"{type(model).__name__} is not a transformers model with a settable attention implementation"
-    if not can_set():
-        return (
-            f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, "
-            "so a bias cannot be added without copying its modeling code"
-        )
-    if getattr(model.config, "add_cross_attention", False) or getattr(model.config, "is_encoder_decoder", False):
-        return "ALiBi applies to causal self-attention only; this model has cross-attention"
-    return None
-
-
-#: Attention-function arguments through which a model's attention does something a swapped-in function would have to
-#: reproduce (logit soft-capping, learned sink logits, a T5-style position bias, sparse attention indices). The
-#: ctxext functions reproduce none of them: a model whose attention passes one is refused (``attention_features``)
-#: and, should one still arrive, the function raises instead of silently dropping it. Sliding windows are honoured:
-#: they reach the function in the attention mask that transformers builds with the mask function registered under
-#: the same name.
-DROPPED_FEATURES = ("softcap", "s_aux", "sinks", "position_bias", "indices", "block_indices")
-
-
-def dropped_features(kwargs: dict) -> str:
-    """The features in an attention call's ``kwargs`` that the ctxext functions would drop ('' if none)."""
-    return ", ".join(f"{k}" for k in DROPPED_FEATURES if kwargs.get(k) is not None)
-
-
-def attention_features(model: nn.Module) -> str | None:
-    """Why a swapped-in attention function would change what ``model``'s attention does, or None.
-
-    Read from the model's structure and configs before anything is touched: attention logit soft-capping
-    (``attn_logit_softcapping``, Gemma 2), learned attention sinks (a ``sinks`` tensor on an attention module, GPT-OSS),
-    attention modules that pass a position bias of their own. Sliding windows are not in the list: transformers
-    builds them into the attention mask the function receives (the mask function is registered under the same
-    name), so they are honoured."""
-    name = type(model).__name__
-    for module_name, module in model.named_modules():  # by structure: the layer type's name differs by release
-        if hasattr(module, "layer_idx") and isinstance(getattr(module, "indexer", None), nn.Module):
-            return (f"{name} has sparse indexed attention ({module_name}.indexer picks the keys each query sees, "
-                    "passed as `indices`), which the swapped-in attention does not follow")
-    for config in _configs(model):
-        cap = getattr(config, "attn_logit_softcapping", None)
-        if cap:
-            return (f"{name} soft-caps its attention logits (attn_logit_softcapping={cap}), which the swapped-in "
-                    "attention does not")
-    for module_name, module in model.named_modules():
-        sinks = getattr(module, "sinks", None)
-        if isinstance(sinks, torch.Tensor):
-            return (f"{name} has learned attention sinks ({module_name}.sinks), which the swapped-in attention "
-                    "does not add")
-    return None
-
-
-def require_attention(model: nn.Module) -> None:
-    """Raise PatchError unless ``model`` can take the ALiBi attention (the adapters' check for ``alibi``)."""
-    reason = can_use_attention(model) or attention_features(model)
-    if reason:
-        raise PatchError(f"cannot swap in ALiBi: {reason}")
-
-
-def use_attention(model: nn.Module, name: str = ALIBI):
-    """Switch ``model`` to the registered attention ``name``; returns a function restoring the previous one exactly.
-    The ALiBi swap is checked here; other functions (the remap attention, its probe) honour other features, which
-    their adapter checks (``ctxext.adapters.remap``), so only the dispatch is checked for them."""
-    if name == ALIBI:
-        require_attention(model)
-    else:
-        reason = can_use_attention(model)
-        if reason:
-            raise PatchError(f"cannot use attention {name!r}: {reason}")
-    before = [(config, config._attn_implementation_internal) for config in _configs(model)]
-
-    def restore():
-        for config, value in before:
-            config._attn_implementation_internal = value
-
-    try:
-        model.set_attn_implementation(name)
-        if model.config._attn_implementation != name:
-            raise PatchError(f"{type(model).__name__} refused attention implementation {name!r}")
-    except BaseException:
-        restore()
-        raise
-    return restore
-
-
-__all__ = [
-    "ALIBI",
-    "CHUNK_BYTES",
-    "DROPPED_FEATURES",
-    "alibi_attention_forward",
-    "attention_features",
-    "can_use_attention",
-    "require_attention",
-    "use_attention",
-]
+__all__ = ["ALIBI", "CHUNK_BYTES", "alibi_attention_forward"]

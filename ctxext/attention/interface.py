@@ -1,0 +1,87 @@
+"""The switch between a model's own attention and the registered ctxext functions: registration with transformers'
+``AttentionInterface`` / ``AttentionMaskInterface``, the checks that a model dispatches through them, and
+``use_attention``, which switches a model and returns the exact undo."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from ..errors import PatchError
+from .alibi import ALIBI, alibi_attention_forward
+from .features import _configs, attention_features
+
+
+MISSING_HOOK_MESSAGE = (
+    "this transformers has no AttentionInterface / masking_utils.AttentionMaskInterface, the hook point of the ALiBi "
+    "swap (they exist from transformers 4.53; ctxext is tested from 4.56.2)"
+)
+#: Why the attention hook point is missing from the installed transformers (None: registered).
+MISSING_HOOK: str | None = None
+
+
+def _register() -> str | None:
+    """Register ``ctxext_alibi`` with both interfaces; where this transformers lacks one, say which and since when."""
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:
+        return MISSING_HOOK_MESSAGE
+    AttentionInterface.register(ALIBI, alibi_attention_forward)
+    AttentionMaskInterface.register(ALIBI, sdpa_mask)
+    return None
+
+
+MISSING_HOOK = _register()
+
+
+def can_use_attention(model: nn.Module) -> str | None:
+    """None if ``model`` dispatches its attention through ``AttentionInterface``; otherwise why not."""
+    if MISSING_HOOK:
+        return MISSING_HOOK
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    if can_set is None or not callable(getattr(model, "set_attn_implementation", None)):
+        return f"{type(model).__name__} is not a transformers model with a settable attention implementation"
+    if not can_set():
+        return (
+            f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, "
+            "so a bias cannot be added without copying its modeling code"
+        )
+    if getattr(model.config, "add_cross_attention", False) or getattr(model.config, "is_encoder_decoder", False):
+        return "ALiBi applies to causal self-attention only; this model has cross-attention"
+    return None
+
+
+def require_attention(model: nn.Module) -> None:
+    """Raise PatchError unless ``model`` can take the ALiBi attention (the adapters' check for ``alibi``)."""
+    reason = can_use_attention(model) or attention_features(model)
+    if reason:
+        raise PatchError(f"cannot swap in ALiBi: {reason}")
+
+
+def use_attention(model: nn.Module, name: str = ALIBI):
+    """Switch ``model`` to the registered attention ``name``; returns a function restoring the previous one exactly.
+    The ALiBi swap is checked here; other functions (the remap attention, its probe) honour other features, which
+    their adapter checks (``ctxext.adapters.remap``), so only the dispatch is checked for them."""
+    if name == ALIBI:
+        require_attention(model)
+    else:
+        reason = can_use_attention(model)
+        if reason:
+            raise PatchError(f"cannot use attention {name!r}: {reason}")
+    before = [(config, config._attn_implementation_internal) for config in _configs(model)]
+
+    def restore():
+        for config, value in before:
+            config._attn_implementation_internal = value
+
+    try:
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise PatchError(f"{type(model).__name__} refused attention implementation {name!r}")
+    except BaseException:
+        restore()
+        raise
+    return restore
+
+
+__all__ = ["MISSING_HOOK", "can_use_attention", "require_attention", "use_attention"]

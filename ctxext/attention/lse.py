@@ -1,0 +1,166 @@
+"""Attention of a two-rotation position map on torch's fused CPU flash kernel, merged by log-sum-exp: the inference
+fast path of every remap method that declares a ``KeySplit`` (``ctxext.methods.remap``): the query at i sees keys
+``near_start(i) .. i`` under rotation 0 ("near") and keys ``0 .. min(near_start(i), far_keys) - 1`` under rotation
+1 ("far"); the rest is masked. Self-Extend, ReRoPE and STRING are a band plus everything before it; DCA is the
+query's chunk (and the previous one within its window) plus everything before; LM-Infinite and StreamingLLM are a
+band plus a few leading sink keys.
+
+Queries run in blocks of ``BLOCK`` rows. Each block makes at most three calls of
+``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, which returns the attention output *and* each
+query's log-sum-exp of scores:
+
+- near: rotation 0, the keys from the block's smallest ``near_start`` to its last row, with an additive 0 / -inf
+  mask keeping ``near_start(i) <= j <= i``;
+- far, whole: rotation 1, the keys every row of the block reaches (``0 .. min over rows of the far end``), no mask;
+- far, edge: rotation 1, the keys only some rows reach, masked per row.
+
+Disjoint key sets of one softmax merge exactly: ``out = o_a + sigmoid(lse_b - lse_a) * (o_b - o_a)``,
+``lse = logaddexp(lse_a, lse_b)`` (stable: no exp of a large number). The kernel returns output 0 and
+log-sum-exp 0 for a row whose keys are all masked, so such rows of an edge call are set to -inf before merging.
+
+The kernel takes grouped-query attention natively (key/value heads dividing the query heads, query head h reading
+key head ``h // (heads / kv_heads)``, as transformers' ``repeat_kv`` pairs them), so keys are never expanded. Its
+log-sum-exp output carries no gradient: callers use this without autograd only (``remap_attention_forward``
+checks). The op is private: ``available()`` allows it only on torch versions it was tested on (``TESTED_TORCH``).
+Measured on CPU: ``benchmarks/bench_remap.py`` (see the report of issue 23).
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: torch versions (major.minor) whose private CPU flash op this module was tested against
+TESTED_TORCH = ("2.13",)
+#: most query rows per block
+BLOCK = 1024
+#: fewest query rows per block of a band (a band's blocks are about as wide as the band)
+MIN_BLOCK = 128
+#: blocks follow runs of one near start when there are at most T / MIN_RUN of them
+MIN_RUN = 64
+#: dtypes the CPU flash kernel runs natively here
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _op():
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def available() -> bool:
+    """The private op exists and this torch version is one it was tested on."""
+    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    return version in TESTED_TORCH and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def split_attention(queries, keys, value: torch.Tensor, near_start: torch.Tensor, far_keys: int | None,
+                    scale: float) -> torch.Tensor:
+    """Attention of a ``KeySplit`` map over a full pass (positions 0 .. T-1, causal, no padding).
+
+    queries: (q_0, q_1), the queries rotated by rotation 0 and 1, each (batch, heads, T, head_dim); keys: (k_0, k_1),
+    (batch, kv_heads, T, head_dim), kv_heads dividing heads; value: (batch, kv_heads, T, head_dim) (the kernel needs
+    the value head dim equal to the query's). near_start: (T,) int64 with ``0 <= near_start[i] <= i``; far_keys:
+    None or an int >= 0. Returns (batch, T, heads, head_dim), contiguous, in the queries' dtype. No gradient flows
+    through it.
+    """
+    q0, q1 = queries
+    k0, k1 = keys
+    batch, heads, T, dim = q0.shape
+    device = q0.device
+    near_start = near_start.to(device=device, dtype=torch.long)
+    rows = torch.arange(T, device=device)
+    if near_start.shape != (T,) or bool((near_start < 0).any()) or bool((near_start > rows).any()):
+        raise ValueError(f"split_attention needs near_start of shape ({T},) with 0 <= near_start[i] <= i")
+    far_end = near_start if far_keys is None else near_start.clamp(max=int(far_keys))
+    out = torch.empty(batch, T, heads, dim, dtype=torch.float32, device=device)
+    out_h = out.transpose(1, 2)  # (batch, heads, T, dim) view
+    # a band's far keys (0 .. i - near) are one causal triangle shifted by the band: a single call for every row
+    first = T - 1 - int(far_end[-1])  # the last row without far keys, if so
+    triangle = first >= -1 and torch.equal(far_end, (rows - first).clamp(min=0))
+    lse_all = torch.empty(batch, heads, T, dtype=torch.float32, device=device) if triangle else None
+    for a, b in _blocks(near_start):
+        o, lse = _keys(q0, k0, value, a, b, near_start[a:b], near=True, scale=scale)
+        end = far_end[a:b]
+        if triangle:
+            lse_all[..., a:b] = lse
+        elif int(end.max()) > 0:
+            _merge(o, lse, *_keys(q1, k1, value, a, b, end, near=False, scale=scale))
+        out_h[:, :, a:b] = o
+    if triangle and first + 1 < T:
+        keys_seen = T - first - 1
+        o_far, lse_far = _op()(q1[:, :, first + 1 :], k1[:, :, :keys_seen], value[:, :, :keys_seen], 0.0, True,
+                               scale=scale)
+        _merge(out_h[:, :, first + 1 :], lse_all[..., first + 1 :], o_far, lse_far)
+    return out if q0.dtype == torch.float32 else out.to(q0.dtype)
+
+
+def _blocks(near_start: torch.Tensor):
+    """Blocks of query rows (a, b). Where the near range starts at the same key for long runs of rows (DCA: a chunk,
+    its window), blocks follow the runs, so that every call of a block is mask-free; otherwise (a band: the start
+    moves with the row) blocks of about the near range's width keep the band's masked call small."""
+    T = near_start.numel()
+    changes = (near_start[1:] != near_start[:-1]).nonzero().flatten() + 1
+    if changes.numel() * MIN_RUN <= T:
+        cuts, size = [0, *changes.tolist(), T], BLOCK
+    else:
+        width = int((torch.arange(T, device=near_start.device) - near_start).max()) + 1
+        cuts, size = [0, T], max(MIN_BLOCK, min(BLOCK, width))
+    for lo, hi in zip(cuts, cuts[1:]):
+        for a in range(lo, hi, size):
+            yield a, min(a + size, hi)
+
+
+def _keys(q, k, v, a: int, b: int, bound: torch.Tensor, near: bool, scale: float):
+    """Output (float32) and log-sum-exp of the queries a .. b-1 over a contiguous key range per row: near, keys
+    ``bound[r] .. a + r``; far, keys ``0 .. bound[r] - 1``. Mask-free kernel calls where the range has a shape the
+    kernel knows (a fixed start with the causal diagonal; a fixed end; an end moving with the row), one masked call
+    otherwise. Rows with no key get log-sum-exp -inf (the kernel would say 0)."""
+    fa = _op()
+    n = b - a
+    inf = float("-inf")
+    lo, hi = int(bound.min()), int(bound.max())
+    if near:
+        if lo == hi:  # keys lo .. a + r: the causal square plus, before it, keys every row sees
+            o, lse = fa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], 0.0, True, scale=scale)
+            o, lse = o.float(), lse.float()
+            if lo < a:
+                _merge(o, lse, *fa(q[:, :, a:b], k[:, :, lo:a], v[:, :, lo:a], 0.0, False, scale=scale))
+            return o, lse
+        j = torch.arange(lo, b, device=q.device)[None, :]
+        i = torch.arange(a, b, device=q.device)[:, None]
+        mask = torch.zeros(n, b - lo, dtype=q.dtype, device=q.device)
+        mask.masked_fill_((j < bound[:, None]) | (j > i), inf)
+        o, lse = fa(q[:, :, a:b], k[:, :, lo:b], v[:, :, lo:b], 0.0, False, attn_mask=mask, scale=scale)
+        return o.float(), lse.float()
+    o = torch.zeros(q.shape[0], q.shape[1], n, v.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full(o.shape[:-1], inf, dtype=torch.float32, device=q.device)
+    if lo > 0:  # keys every row reaches
+        o_all, lse_all = fa(q[:, :, a:b], k[:, :, :lo], v[:, :, :lo], 0.0, False, scale=scale)
+        o.copy_(o_all)
+        lse.copy_(lse_all)
+    if hi > lo:  # keys only some rows reach
+        first = n - 1 - (hi - lo)  # the last row without such keys, if the end moves one key per row
+        rising = (torch.arange(n, device=q.device) - first).clamp(min=0)
+        if first >= -1 and torch.equal(bound - lo, rising):  # a causal square from row first + 1 on
+            o_edge, lse_edge = fa(q[:, :, a + first + 1 : b], k[:, :, lo:hi], v[:, :, lo:hi], 0.0, True, scale=scale)
+            _merge(o[:, :, first + 1 :], lse[..., first + 1 :], o_edge, lse_edge)
+        else:
+            j = torch.arange(lo, hi, device=q.device)[None, :]
+            mask = torch.zeros(n, hi - lo, dtype=q.dtype, device=q.device)
+            mask.masked_fill_(j >= bound[:, None], inf)
+            o_edge, lse_edge = fa(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], 0.0, False, attn_mask=mask,
+                                  scale=scale)
+            missed = bound <= lo  # rows whose keys were all masked: weight 0, not exp(0)
+            _merge(o, lse, o_edge.masked_fill(missed[:, None], 0), lse_edge.float().masked_fill(missed, inf))
+    return o, lse
+
+
+def _merge(o, lse, o_other, lse_other) -> None:
+    """Merge, in place into (o, lse) (float32), an attention output over other keys of the same softmax, by the two
+    log-sum-exps. Rows of ``lse`` at -inf (no key yet) take the other output as it is."""
+    lse_other = lse_other.float()
+    # lse -inf and lse_other finite: 1; lse_other -inf: 0 (both -inf: nan -> 0, o stays)
+    weight = torch.sigmoid(lse_other - lse).nan_to_num_(0.0)[..., None]
+    o.add_((o_other.float() - o).mul_(weight))
+    lse.copy_(torch.logaddexp(lse, lse_other))
+
+
+__all__ = ["BLOCK", "TESTED_TORCH", "available", "split_attention"]
