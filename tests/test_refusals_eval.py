@@ -150,8 +150,13 @@ def test_hub_id_offline_fails_at_once(models, out, capsys, monkeypatch):
     """No network: a hub id fails in well under a second, with a hint about local folders and GGUF files."""
     import ctxext.sources as sources
 
+    from huggingface_hub import constants
+
     monkeypatch.setattr(sources, "hub_reachable", lambda: False)
+    # a network that is down, not the offline switch: unset it, also where huggingface_hub read it at import (a user
+    # or cluster that exports HF_HUB_OFFLINE=1 runs this test too)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     started = time.perf_counter()
     line = assert_refused(["eval", "--model", "meta-llama/Llama-2-7b-hf", "--data", CORPUS, "--output",
                            out / "new.json"], capsys, out, "hub is unreachable")
