@@ -5,18 +5,20 @@ fast path of every remap method that declares a ``KeySplit`` (``ctxext.methods.r
 query's chunk (and the previous one within its window) plus everything before; LM-Infinite and StreamingLLM are a
 band plus a few leading sink keys.
 
-Queries run in blocks of ``BLOCK`` rows. Each block makes at most three calls of
-``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, which returns the attention output *and* each
-query's log-sum-exp of scores:
+Each piece is a call of ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, which returns the attention
+output *and* each query's log-sum-exp of scores, over a contiguous key range, mask-free wherever the range has a
+shape the kernel knows (its causal flag aligns the diagonal top-left):
 
-- near: rotation 0, the keys from the block's smallest ``near_start`` to its last row, with an additive 0 / -inf
-  mask keeping ``near_start(i) <= j <= i``;
-- far, whole: rotation 1, the keys every row of the block reaches (``0 .. min over rows of the far end``), no mask;
-- far, edge: rotation 1, the keys only some rows reach, masked per row.
+- a band's far keys (``0 .. i - near``, every method without ``far_keys``): one causal call over all queries from
+  ``near`` on against the keys up to ``T - near``;
+- runs of rows with one near start (DCA's chunks and windows; blocks follow the runs): the near keys are the causal
+  square of the block plus the keys before it that every row sees, and the far keys end at the same key for all;
+- otherwise (a band's near keys, the rows where sinks begin) one call per block with an additive 0 / -inf mask.
 
+Queries run in blocks of at most ``BLOCK`` rows (a band's are about as wide as the band, at least ``MIN_BLOCK``).
 Disjoint key sets of one softmax merge exactly: ``out = o_a + sigmoid(lse_b - lse_a) * (o_b - o_a)``,
 ``lse = logaddexp(lse_a, lse_b)`` (stable: no exp of a large number). The kernel returns output 0 and
-log-sum-exp 0 for a row whose keys are all masked, so such rows of an edge call are set to -inf before merging.
+log-sum-exp 0 for a row whose keys are all masked, so such rows of a masked call are set to -inf before merging.
 
 The kernel takes grouped-query attention natively (key/value heads dividing the query heads, query head h reading
 key head ``h // (heads / kv_heads)``, as transformers' ``repeat_kv`` pairs them), so keys are never expanded. Its

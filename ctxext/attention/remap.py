@@ -242,7 +242,7 @@ def remap_attention_forward(
     keys = [rotate(key, r.key(kpos), inv_freq, att, state.layout, state.start) for r in rotations]
     queries = [rotate(query, r.query(qpos), inv_freq, att, state.layout, state.start) for r in rotations]
     mask = None if attention_mask is None else _as_bool(attention_mask)[:, 0]  # (B or 1, q_len, kv_len)
-    # a full pass on CPU without autograd under a band + far map: fused flash calls merged by log-sum-exp
+    # a full pass on CPU without autograd under a map with declared key ranges: fused flash calls, merged by log-sum-exp
     if not eager_only and _use_lse(pmap, query, key, value, dropout, qpos, kpos, mask):
         split = pmap.split
         near_start = split.near_start(torch.arange(q_len, device=query.device))
