@@ -1,4 +1,4 @@
-"""`ctxext eval` and `ctxext demo`: perplexity (and passkey) of several patches at several lengths.
+"""`ctxext eval` and `ctxext demo`: perplexity, passkey and RULER-style tasks of several patches at several lengths.
 
 `ctxext eval --model ID_OR_DIR ...` evaluates one model; with no `--model` (or as `ctxext demo`) it
 runs the default offline evaluation of the shipped reference models. Multi-process runs:
@@ -108,11 +108,25 @@ def add_eval_arguments(p, *, demo: bool) -> None:
                    f" (default: no cap; {DEMO_MAX_TOKENS} without --model)"))
     g.add_argument("--batch-size", type=_positive,
                    help="windows per forward pass (default: about 2048 tokens' worth, at most 16, at least 1)")
-    g = p.add_argument_group("passkey retrieval")
-    g.add_argument("--passkey", action="store_true", help="also run synthetic passkey retrieval")
+    g = p.add_argument_group("long-context tasks")
+    g.add_argument("--tasks", help="comma-separated: ppl (perplexity), passkey, and RULER-style tasks "
+                   "(niah_single_1..3, niah_multikey_1..3, niah_multivalue, niah_multiquery, vt, cwe, fwe) or the "
+                   "aliases ruler (all 11), niah (the 8 needle tasks), quick (niah_single_1, niah_single_2, "
+                   "niah_multikey_1, vt) (default: ppl, plus passkey with --passkey)")
+    g.add_argument("--task-samples", type=_positive, default=10,
+                   help="samples per (task, method, length) (default: 10)")
+    g.add_argument("--task-depths", type=_depths, default=DEFAULT_DEPTHS,
+                   help="needle depths of the needle tasks, taken in turn by the samples (default: 0,.25,.5,.75,1)")
+    g.add_argument("--no-chat-template", action="store_true",
+                   help="plain prompts even where the tokenizer has a chat template (default: the task inside the "
+                   "template's user turn, the answer prefix after its assistant start, as RULER does)")
+    g.add_argument("--heatmap", help="PNG of needle-task accuracy by depth x length, one panel per method"
+                   + (" (default: beside --plot, *_needles.png, when needle tasks ran)" if demo else
+                      " (default: beside --plot when needle tasks ran)"))
+    g.add_argument("--passkey", action="store_true", help="also run synthetic passkey retrieval (as --tasks ...,passkey)")
     g.add_argument("--passkey-depths", type=_depths, default=DEFAULT_DEPTHS, help="needle depths (default: 0,.25,.5,.75,1)")
     g.add_argument("--passkey-trials", type=_positive, default=2, help="trials per (length, depth) (default: 2)")
-    g.add_argument("--seed", type=int, default=0, help="passkey seed (default: 0)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the passkey and task samples (default: 0)")
     g = p.add_argument_group("output")
     g.add_argument("--output", help=f"results JSON; rows also go to a .jsonl beside it as they finish "
                    f"(default: {DEMO_OUTPUT if demo else EVAL_OUTPUT})")
@@ -172,10 +186,14 @@ def _run(args, demo, device, output, jobs, texts, lengths, state) -> int:
     from ..evaluation.runner import Runner, Settings
 
     max_windows, max_tokens = _caps(args, demo)
+    measures = _measures(args)
+    tasks = [m for m in measures if m not in ("ppl", "passkey")]
     settings = Settings(
         lengths=lengths, protocol=args.protocol, stride=args.stride, max_windows=max_windows, max_tokens=max_tokens,
-        batch_size=args.batch_size, passkey=args.passkey, passkey_depths=tuple(args.passkey_depths),
-        passkey_trials=args.passkey_trials, seed=args.seed, progress=not args.no_progress,
+        batch_size=args.batch_size, perplexity="ppl" in measures, passkey="passkey" in measures,
+        passkey_depths=tuple(args.passkey_depths), passkey_trials=args.passkey_trials, seed=args.seed,
+        progress=not args.no_progress, tasks=tasks, task_samples=args.task_samples,
+        task_depths=tuple(args.task_depths), chat_template=not args.no_chat_template,
     )
     fingerprint = {  # what must match for --resume to reuse rows (see ctxext.evaluation.fingerprint)
         "models": [dict(j.info, label=j.label, files=model_fingerprint(j.info)) for j in jobs],
@@ -183,8 +201,12 @@ def _run(args, demo, device, output, jobs, texts, lengths, state) -> int:
         "plan": {"methods": args.methods, "factor": args.factor, "options": sorted(args.option or []),
                  "lengths": args.lengths},
         "protocol": args.protocol, "stride": args.stride, "max_windows": max_windows, "max_tokens": max_tokens,
-        "passkey": [args.passkey, list(args.passkey_depths), args.passkey_trials, args.seed] if args.passkey else None,
+        "passkey": [True, list(args.passkey_depths), args.passkey_trials, args.seed] if settings.passkey else None,
     }
+    if tasks:  # absent without tasks: runs from before tasks existed still resume
+        fingerprint["tasks"] = [tasks, args.task_samples, list(args.task_depths), args.seed, not args.no_chat_template]
+    if not settings.perplexity:
+        fingerprint["perplexity"] = False
     store = ResultStore(output, fingerprint, resume=args.resume, enabled=state.is_main_process)
     runner = Runner(settings, store, state, command=args.command)
     for problem in store.rejected:
@@ -198,7 +220,7 @@ def _run(args, demo, device, output, jobs, texts, lengths, state) -> int:
     finally:  # also on Ctrl-C and errors: the final JSON holds every finished row (none: an earlier result stays)
         outcome = runner.outcome
         rows = store.ordered(outcome.planned)
-        document = _document(args, started, device, state, outcome, texts, rows, max_windows, max_tokens)
+        document = _document(args, started, device, state, outcome, texts, rows, max_windows, max_tokens, settings)
         written = store.write_final(document)
     if state.is_main_process:
         _show(args, demo, store, rows, outcome, document, written)
@@ -216,6 +238,16 @@ def _caps(args, demo: bool) -> tuple[int | None, int | None]:
     return args.max_windows, args.max_tokens
 
 
+def _measures(args) -> list[str]:
+    """What the run measures: --tasks (ppl, passkey, task names), with --passkey adding passkey."""
+    from ..evaluation.tasks import parse_tasks
+
+    measures = parse_tasks(args.tasks) if args.tasks else ["ppl"]
+    if args.passkey and "passkey" not in measures:
+        measures.append("passkey")
+    return measures
+
+
 def _prepare(args, demo: bool):
     """Check every argument, the files they name, the output and the methods x model family; load no model and
     write nothing. Returns (device, output, jobs, texts, lengths)."""
@@ -229,6 +261,13 @@ def _prepare(args, demo: bool):
         raise ValueError("--gguf-file and --adapter need --model")
     device = resolve_device(args.device)
     resolve_dtype(args.dtype)
+    if any(m not in ("ppl", "passkey") for m in _measures(args)):  # unknown task names are refused here too
+        from ..evaluation.tasks import words
+
+        try:
+            words.check_available()
+        except ImportError as exc:
+            raise ValueError(f"--tasks: {exc}") from None
     if args.methods:  # unknown names, bad factors and stray options
         parse_methods(args.methods, factor=args.factor, options=args.option)
     else:
@@ -242,6 +281,9 @@ def _prepare(args, demo: bool):
     plot = args.plot or (DEMO_PLOT if demo else None)
     if plot:
         _check_plot(plot, data=args.data)
+    heatmap = _heatmap_path(args, demo)
+    if heatmap and heatmap != _derived_heatmap(plot):
+        _check_plot(heatmap, data=args.data, flag="--heatmap")
     if not demo:
         from ..sources import check_source
 
@@ -254,16 +296,28 @@ def _prepare(args, demo: bool):
     return device, output, jobs, texts, lengths
 
 
-def _check_plot(plot: str, *, data: str | None) -> None:
+def _check_plot(plot: str, *, data: str | None, flag: str = "--plot") -> None:
     from ..evaluation.results import check_file_target
 
-    path = check_file_target(plot, "--plot", "ppl.png")
+    path = check_file_target(plot, flag, "ppl.png")
     if data and path.resolve() == Path(data).resolve():
-        raise ValueError(f"--plot {plot} would overwrite the data {data}; choose another --plot")
+        raise ValueError(f"{flag} {plot} would overwrite the data {data}; choose another {flag}")
     try:
         import matplotlib  # noqa: F401
     except ImportError:
-        raise ValueError("--plot needs matplotlib: pip install 'ctxext[eval]'") from None
+        raise ValueError(f"{flag} needs matplotlib: pip install 'ctxext[eval]'") from None
+
+
+def _derived_heatmap(plot: str | None) -> str | None:
+    if not plot:
+        return None
+    path = Path(plot)
+    return str(path.with_name(f"{path.stem}_needles{path.suffix or '.png'}"))
+
+
+def _heatmap_path(args, demo: bool) -> str | None:
+    """--heatmap, or beside the perplexity plot when there is one."""
+    return args.heatmap or _derived_heatmap(args.plot or (DEMO_PLOT if demo else None))
 
 
 def _check_fit(args, jobs, lengths) -> None:
@@ -345,7 +399,7 @@ def _jobs(args, demo: bool, device: str, texts):
     return [job], texts, args.lengths
 
 
-def _document(args, started, device, state, outcome, texts, rows, max_windows, max_tokens) -> dict:
+def _document(args, started, device, state, outcome, texts, rows, max_windows, max_tokens, settings) -> dict:
     """The final results JSON."""
     from .. import __version__
 
@@ -364,7 +418,11 @@ def _document(args, started, device, state, outcome, texts, rows, max_windows, m
                      "max_windows": max_windows, "max_tokens": max_tokens, "batch_size": args.batch_size,
                      "last_quarter": "targets in the last quarter of their window"},
         "passkey": {"depths": list(args.passkey_depths), "trials": args.passkey_trials, "seed": args.seed}
-        if args.passkey else None,
+        if settings.passkey else None,
+        "tasks": {"names": settings.tasks, "samples": settings.task_samples, "depths": list(settings.task_depths),
+                  "seed": args.seed, "chat_template": settings.chat_template,
+                  "source": "RULER (Hsieh et al. 2024; NVIDIA/RULER), generated offline: ctxext.evaluation.tasks"}
+        if settings.tasks else None,
         "results": rows,
         "errors": outcome.errors,
         "interrupted": outcome.interrupted,
@@ -397,6 +455,16 @@ def _show(args, demo: bool, store, rows, outcome, document, written) -> None:
         finally:
             tmp.unlink(missing_ok=True)
         print(f"plot: {plot_path}", file=sys.stderr)
+    heatmap = _heatmap_path(args, demo)
+    if heatmap and any(r.get("depths") and r.get("kind") not in ("ppl", "passkey") for r in rows):
+        path = Path(heatmap)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")
+        try:
+            report.needle_heatmap(rows, outcome.models, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+        print(f"needle heatmap: {heatmap}", file=sys.stderr)
 
 
 def _model_label(model_id: str, gguf_file: str | None) -> str:

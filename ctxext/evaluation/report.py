@@ -9,7 +9,7 @@ from typing import Any, Sequence
 def _fmt(value: Any, kind: str) -> str:
     if value is None:
         return "-"
-    if kind == "passkey":
+    if kind != "ppl":  # passkey and tasks: an accuracy
         return f"{100 * value:.0f}%"
     if value >= 1e5:
         return f"{value:.2e}"
@@ -57,7 +57,46 @@ def format_report(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any
             table = format_table(mine, kind=kind, field=field, title=f"{what} - {where}")
             if table:
                 parts.append(table)
+        tasks = task_names(mine)
+        for task in tasks:
+            parts.append(format_table(mine, kind=task, field="accuracy",
+                                      title=f"{task} (RULER score, {_samples(mine, task)}) - {where}"))
+        if len(tasks) > 1:
+            parts.append(format_table(task_average(mine), kind="average", field="accuracy",
+                                      title=f"average of {len(tasks)} tasks ({', '.join(tasks)}) - {where}"))
     return "\n\n".join(parts)
+
+
+def task_names(rows: Sequence[dict[str, Any]]) -> list[str]:
+    """The RULER-style tasks among the rows, in the order they ran."""
+    from .tasks.catalog import is_task
+
+    out: list[str] = []
+    for r in rows:
+        if is_task(r.get("kind", "ppl")) and r["kind"] not in out:
+            out.append(r["kind"])
+    return out
+
+
+def _samples(rows, task: str) -> str:
+    counts = sorted({r.get("trials") for r in rows if r.get("kind") == task and r.get("trials")})
+    return f"{'/'.join(map(str, counts))} samples" if counts else "no samples"
+
+
+def task_average(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, method label, length) with every task: the mean of the tasks' accuracies (RULER's
+    average); a cell missing a task is left out rather than averaged over fewer tasks."""
+    tasks = task_names(rows)
+    cells: dict[tuple, dict[str, float]] = {}
+    for r in rows:
+        if r.get("kind") in tasks and r.get("accuracy") is not None:
+            cells.setdefault((r["model"], r["label"], int(r["length"])), {})[r["kind"]] = r["accuracy"]
+    out = []
+    for (model, label, length), scores in cells.items():
+        if len(scores) == len(tasks):
+            out.append({"kind": "average", "model": model, "label": label, "length": length,
+                        "accuracy": sum(scores.values()) / len(scores)})
+    return out
 
 
 MARKERS = ["s", "^", "v", "D", "P", "X", "<", ">", "h", "*", "p", "d"]
@@ -83,7 +122,9 @@ def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, NullLocator
 
-    models = [m for m in models if any(r.get("model") == m["label"] and r.get("kind", "ppl") == "ppl" for r in rows)]
+    # a model with no perplexity at all (e.g. only lengths past its position table) gets no empty, unscalable panel
+    models = [m for m in models if any(r.get("model") == m["label"] and r.get("kind", "ppl") == "ppl" and r.get("ppl")
+                                       for r in rows)]
     if not models:
         raise ValueError("nothing to plot: no perplexity results")
     fig, axes = plt.subplots(1, len(models), figsize=(6.6 * len(models), 4.4), squeeze=False)
@@ -134,5 +175,59 @@ def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120, bbox_inches="tight")  # keeps the legends outside the axes in the picture
+    plt.close(fig)
+    return path
+
+
+def needle_depths(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[tuple[float, int], float]]:
+    """Per (model, method label): needle-task accuracy by (depth, length), averaged over the needle tasks that ran."""
+    acc: dict[tuple[str, str], dict[tuple[float, int], list[float]]] = {}
+    for r in rows:
+        if r.get("kind") in ("ppl", "passkey") or not isinstance(r.get("depths"), dict):
+            continue
+        cell = acc.setdefault((r["model"], r["label"]), {})
+        for depth, value in r["depths"].items():
+            cell.setdefault((float(depth), int(r["length"])), []).append(value)
+    return {k: {dl: sum(v) / len(v) for dl, v in cells.items()} for k, cells in acc.items()}
+
+
+def needle_heatmap(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """PNG of needle retrieval, the picture NIAH users know: depth (rows) x length (columns), green = found, one panel
+    per method, one row of panels per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    grid = needle_depths(rows)
+    if not grid:
+        raise ValueError("nothing to draw: no needle-task results")
+    names = [m["label"] for m in models if any(k[0] == m["label"] for k in grid)]
+    panels = {name: [k for k in grid if k[0] == name] for name in names}
+    width = max(len(v) for v in panels.values())
+    fig, axes = plt.subplots(len(names), width, figsize=(2.6 * width + 1, 2.4 * len(names) + 0.6), squeeze=False)
+    image = None
+    for row_axes, name in zip(axes, names):
+        trained = next((m.get("original_length") for m in models if m["label"] == name), None)
+        for ax, key in zip(row_axes, panels[name]):
+            cells = grid[key]
+            depths = sorted({d for d, _ in cells})
+            lengths = sorted({n for _, n in cells})
+            data = [[cells.get((d, n), float("nan")) for n in lengths] for d in depths]
+            image = ax.imshow(data, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+            ax.set_xticks(range(len(lengths)), [str(n) for n in lengths], fontsize=7, rotation=45)
+            ax.set_yticks(range(len(depths)), [f"{100 * d:.0f}%" for d in depths], fontsize=7)
+            if trained and trained in lengths:
+                ax.axvline(lengths.index(trained) + 0.5, color="black", linestyle=":", linewidth=1)
+            ax.set_title(f"{name}: {key[1]}" if len(names) > 1 else key[1], fontsize=9)
+            ax.set_xlabel("context length (tokens)", fontsize=7)
+            ax.set_ylabel("needle depth", fontsize=7)
+        for ax in row_axes[len(panels[name]):]:
+            ax.axis("off")
+    fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy (RULER score)")
+    fig.suptitle("Needle retrieval by depth and length (dotted: trained length)", fontsize=10)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

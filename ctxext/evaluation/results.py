@@ -18,6 +18,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from .tasks.catalog import is_task
+
 RowKey = tuple
 
 
@@ -53,7 +55,7 @@ def _count(value: Any) -> bool:
 
 #: What a result row must hold: field -> (check, what it should be). Rows are written by ctxext.evaluation.runner.
 _ROW_FIELDS = {
-    "kind": (lambda v: isinstance(v, str) and v in ("ppl", "passkey"), "'ppl' or 'passkey'"),
+    "kind": (lambda v: isinstance(v, str) and (v in ("ppl", "passkey") or is_task(v)), "'ppl', 'passkey' or a task"),
     "model": (lambda v: isinstance(v, str) and bool(v), "a model label"),
     "method": (lambda v: isinstance(v, str) and bool(v), "a method name"),
     "label": (lambda v: isinstance(v, str) and bool(v), "a method label"),
@@ -75,8 +77,8 @@ def row_problem(row: Any) -> str | None:
         return f"not a JSON object ({type(row).__name__})"
     fields = dict(_ROW_FIELDS)
     kind = row.get("kind")
-    if "not_applicable" not in row and isinstance(kind, str) and kind in _SCORE_FIELDS:
-        fields.update(_SCORE_FIELDS[kind])
+    if "not_applicable" not in row and isinstance(kind, str) and (kind in _SCORE_FIELDS or is_task(kind)):
+        fields.update(_SCORE_FIELDS.get(kind, _SCORE_FIELDS["passkey"]))  # a task's row: an accuracy, as passkey's
         if row["kind"] == "ppl" and row.get("tokens") == 0:
             fields["ppl"] = (lambda v: v is None, "null (no tokens)")
     for name, (ok, want) in fields.items():

@@ -19,6 +19,8 @@ from .passkey import DEFAULT_DEPTHS, passkey_accuracy, passkey_prompt_check
 from .perplexity import score_documents
 from .requests import NONE, MethodRequest, check_request, parse_methods
 from .results import ResultStore, row_key
+from .tasks import Encoder, check_length, task_accuracy
+from .tasks import sources as task_sources
 
 #: Default lengths, as multiples of the model's original context length.
 DEFAULT_MULTIPLES = (1, 2, 4, 8)
@@ -40,6 +42,11 @@ class Settings:
     passkey_trials: int = 2
     seed: int = 0
     progress: bool = True
+    #: RULER-style tasks (``ctxext.evaluation.tasks``), run for every method x length beside perplexity.
+    tasks: list[str] = field(default_factory=list)
+    task_samples: int = 10
+    task_depths: tuple[float, ...] = DEFAULT_DEPTHS
+    chat_template: bool = True
 
     def windows_for(self, length: int) -> int | None:
         caps = [c for c in (self.max_windows, None if self.max_tokens is None else max(1, self.max_tokens // length))
@@ -186,6 +193,15 @@ class Runner:
                     self.error(f"{job.label}: {exc}; no passkey at this length")
                     continue
                 plan.append(("passkey", length))
+        sources = self._task_sources(job, tokenizer) if s.tasks else None
+        for task in s.tasks:
+            for length in lengths:
+                try:
+                    check_length(task, sources, length, seed=s.seed)
+                except ValueError as exc:
+                    self.error(f"{job.label}: {exc}; skipped")
+                    continue
+                plan.append((task, length))
         plan.sort(key=lambda p: (p[1], p[0] != "ppl"))
         for req in requests:
             keys = [(kind, job.label, req.method, req.factor, L) for kind, L in plan]
@@ -212,7 +228,7 @@ class Runner:
                         self.log(f"{where}: n/a ({row['not_applicable']})")
                     else:
                         try:
-                            row = self._score(kind, model, tokenizer, docs, length)
+                            row = self._score(kind, model, tokenizer, docs, length, sources)
                         except ValueError as exc:
                             self.error(f"{where}: {exc}")
                             continue
@@ -229,7 +245,11 @@ class Runner:
             info["methods"].setdefault(req.label, None if req.method == NONE else _spec_of(self.store, job.label, req))
         del model
 
-    def _score(self, kind: str, model, tokenizer, docs, length: int) -> dict[str, Any]:
+    def _task_sources(self, job: ModelJob, tokenizer):
+        """The tokenizer's haystacks: prose from the job's texts, RULER's noise sentence."""
+        return task_sources(Encoder(tokenizer, chat_template=self.settings.chat_template), job.texts.texts)
+
+    def _score(self, kind: str, model, tokenizer, docs, length: int, sources=None) -> dict[str, Any]:
         s = self.settings
         start = time.perf_counter()
         if kind == "ppl":
@@ -237,6 +257,9 @@ class Runner:
                 model, docs, length, protocol=s.protocol, stride=s.stride_for(length), max_windows=s.windows_for(length),
                 batch_size=s.batch_for(length), progress=s.progress, state=self.state,
             )
+        elif kind != "passkey":
+            row = task_accuracy(model, sources, kind, length, samples=s.task_samples, depths=s.task_depths,
+                                seed=s.seed, state=self.state, progress=s.progress)
         else:
             row = passkey_accuracy(
                 model, tokenizer, length, depths=s.passkey_depths, trials=s.passkey_trials, seed=s.seed,
@@ -274,4 +297,4 @@ def _progress_line(row: dict[str, Any]) -> str:
     if row["kind"] == "ppl":
         ppl = "-" if row["ppl"] is None else f"{row['ppl']:.2f}"
         return f"{where} ppl {ppl}  ({row['tokens']} tokens, {row['windows']} windows, {row['seconds']:.1f} s)"
-    return f"{where} passkey {100 * row['accuracy']:.0f}%  ({row['trials']} trials, {row['seconds']:.1f} s)"
+    return f"{where} {row['kind']} {100 * row['accuracy']:.0f}%  ({row['trials']} trials, {row['seconds']:.1f} s)"

@@ -4,6 +4,9 @@ length, and which method holds best.
 Everything is read against the unpatched model at its trained length (1x): ``x3.4`` means 3.4 times that
 perplexity. Last-quarter perplexity is used where the rows have it (it scores only targets far into each window,
 where position matters), plain perplexity otherwise. Passkey accuracy, where measured, is added in the same way.
+
+Perplexity rewards a model that ignores far context, so where RULER-style tasks ran the verdict also names the
+method that retrieves best, and every method that holds perplexity but does not retrieve.
 """
 
 from __future__ import annotations
@@ -15,6 +18,17 @@ FAILS = 2.0
 DEGRADES = 1.3
 #: The multiple of the trained length a verdict is stated at, when the run has it (else its longest length).
 HEADLINE_MULTIPLE = 4
+#: Task accuracy below which a method "does not retrieve"; and the unpatched accuracy at the trained length from
+#: which retrieval can rank methods at all (a model that cannot retrieve at 1x tells nothing by failing at 4x).
+NO_RETRIEVAL = 0.2
+RETRIEVES_AT_1X = 0.5
+
+
+def _headline(lengths: list[int], trained: int) -> int | None:
+    longer = sorted(n for n in lengths if n > trained)
+    if not longer:
+        return None
+    return trained * HEADLINE_MULTIPLE if trained * HEADLINE_MULTIPLE in longer else longer[-1]
 
 
 def _metric(rows) -> str:
@@ -92,6 +106,46 @@ def _passkey_verdict(rows: list[dict[str, Any]], trained: int) -> str | None:
     return "passkey " + ", ".join(parts) if parts else None
 
 
+def _retrieval_verdict(rows: list[dict[str, Any]], ppl_rows: list[dict[str, Any]], trained: int) -> str | None:
+    """Which method retrieves best at the headline length, and which hold perplexity there but do not retrieve."""
+    from .report import task_average, task_names
+
+    tasks = task_names(rows)
+    if not tasks:
+        return None
+    if len(tasks) > 1:
+        scored, what = task_average(rows), f"average of {len(tasks)} tasks"
+    else:
+        scored, what = [r for r in rows if r.get("accuracy") is not None], tasks[0]
+    acc = {(r["label"], int(r["length"])): r["accuracy"] for r in scored}
+    headline = _headline(sorted({n for _, n in acc}), trained)
+    if headline is None:
+        return None
+    at = f"at {headline} = {_multiple(headline, trained)}"
+    parts = []
+    base = acc.get(("none", trained))
+    if base is not None and base < RETRIEVES_AT_1X:
+        return (f"retrieval ({what}): unpatched scores {100 * base:.0f}% even at its trained length {trained}, "
+                "too little to rank methods by")
+    if ("none", headline) in acc:
+        parts.append(f"unpatched {100 * acc[('none', headline)]:.0f}%")
+    patched = {lab: a for (lab, n), a in acc.items() if n == headline and lab != "none"}
+    if patched:
+        best = max(patched, key=patched.get)
+        parts.append(f"best {best} {100 * patched[best]:.0f}%" if patched[best] > 0 else "no method retrieves")
+    sentence = f"retrieval ({what}) {at}: " + ", ".join(parts) if parts else None
+    field = _metric(ppl_rows)
+    ppl = {(r["label"], int(r["length"])): r.get(field) for r in ppl_rows if not r.get("not_applicable")}
+    ppl_base = ppl.get(("none", trained))
+    if ppl_base and base is not None:  # perplexity that holds while retrieval is gone
+        blind = [f"{lab} holds perplexity (x{ppl[(lab, headline)] / ppl_base:.2f}) but retrieves "
+                 f"{100 * a:.0f}% {at}" for lab, a in sorted(patched.items())
+                 if a < NO_RETRIEVAL and ppl.get((lab, headline)) and ppl[(lab, headline)] / ppl_base < DEGRADES]
+        if blind:
+            sentence = "; ".join(([sentence] if sentence else []) + blind)
+    return sentence
+
+
 def verdicts(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]]) -> list[str]:
     """One sentence per model that has an unpatched row at its trained length and longer rows."""
     out = []
@@ -102,10 +156,13 @@ def verdicts(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]]) -
         mine = [r for r in rows if r.get("model") == model["label"]]
         sentence = _perplexity_verdict(model["label"], [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
         passkey = _passkey_verdict([r for r in mine if r.get("kind") == "passkey"], int(trained))
-        if sentence and passkey:
-            sentence += f"; {passkey}"
-        elif passkey:
-            sentence = f"{model['label']}: {passkey}"
+        retrieval = _retrieval_verdict([r for r in mine if r.get("kind") not in ("ppl", "passkey")],
+                                       [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
+        for extra in (passkey, retrieval):
+            if extra and sentence:
+                sentence += f"; {extra}"
+            elif extra:
+                sentence = f"{model['label']}: {extra}"
         if sentence:
             out.append(sentence)
     return out
