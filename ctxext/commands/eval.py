@@ -124,6 +124,16 @@ def add_eval_arguments(p, *, demo: bool) -> None:
                    + (" (default: beside --plot, *_needles.png, when needle tasks ran)" if demo else
                       " (default: beside --plot when needle tasks ran)"))
     g.add_argument("--passkey", action="store_true", help="also run synthetic passkey retrieval (as --tasks ...,passkey)")
+    g = p.add_argument_group("key-token perplexity (LongPPL)")
+    g.add_argument("--key-tokens", action="store_true",
+                   help="also report perplexity over the key tokens alone: those an evaluator predicts much better "
+                   "with long context than with short (Fang et al. 2024: log-prob gain > 2 and log-prob > -2)")
+    if not demo:
+        g.add_argument("--evaluator", help="hub id or local directory of the key-token evaluator; it must share the "
+                       "model's tokenizer (default: the model itself, unpatched)")
+    g.add_argument("--key-context", type=_positive,
+                   help="the evaluator's long context in tokens (default: its trained length)")
+    g.add_argument("--key-short", type=_positive, help="the short context in tokens (default: an eighth of the long)")
     g.add_argument("--passkey-depths", type=_depths, default=DEFAULT_DEPTHS, help="needle depths (default: 0,.25,.5,.75,1)")
     g.add_argument("--passkey-trials", type=_positive, default=2, help="trials per (length, depth) (default: 2)")
     g.add_argument("--seed", type=int, default=0, help="seed of the passkey and task samples (default: 0)")
@@ -149,7 +159,7 @@ def register(sub) -> None:
                        "at a short context) on the held-out book at 1x, 2x, 4x and 8x their training length, "
                        "for every method that fits each; prints the table and writes JSON and a plot.")
     add_eval_arguments(d, demo=True)
-    d.set_defaults(func=run_eval, model=None, gguf_file=None, adapter=None)
+    d.set_defaults(func=run_eval, model=None, gguf_file=None, adapter=None, evaluator=None)
 
 
 def _machine(device: str) -> dict:
@@ -194,6 +204,7 @@ def _run(args, demo, device, output, jobs, texts, lengths, state) -> int:
         passkey_depths=tuple(args.passkey_depths), passkey_trials=args.passkey_trials, seed=args.seed,
         progress=not args.no_progress, tasks=tasks, task_samples=args.task_samples,
         task_depths=tuple(args.task_depths), chat_template=not args.no_chat_template,
+        key_tokens=args.key_tokens, key_context=args.key_context, key_short=args.key_short,
     )
     fingerprint = {  # what must match for --resume to reuse rows (see ctxext.evaluation.fingerprint)
         "models": [dict(j.info, label=j.label, files=model_fingerprint(j.info)) for j in jobs],
@@ -207,6 +218,8 @@ def _run(args, demo, device, output, jobs, texts, lengths, state) -> int:
         fingerprint["tasks"] = [tasks, args.task_samples, list(args.task_depths), args.seed, not args.no_chat_template]
     if not settings.perplexity:
         fingerprint["perplexity"] = False
+    if args.key_tokens:  # ppl rows then carry key-token perplexity: only such rows resume
+        fingerprint["key_tokens"] = [args.evaluator, args.key_context, args.key_short]
     store = ResultStore(output, fingerprint, resume=args.resume, enabled=state.is_main_process)
     runner = Runner(settings, store, state, command=args.command)
     for problem in store.rejected:
@@ -259,6 +272,12 @@ def _prepare(args, demo: bool):
 
     if demo and (args.gguf_file or args.adapter):
         raise ValueError("--gguf-file and --adapter need --model")
+    if args.key_tokens and "ppl" not in _measures(args):
+        raise ValueError("--key-tokens is a perplexity: add ppl to --tasks")
+    if not args.key_tokens and (args.evaluator or args.key_context or args.key_short):
+        raise ValueError("--evaluator, --key-context and --key-short need --key-tokens")
+    if args.key_context and args.key_short and args.key_short >= args.key_context:
+        raise ValueError(f"--key-short {args.key_short} must be shorter than --key-context {args.key_context}")
     device = resolve_device(args.device)
     resolve_dtype(args.dtype)
     if any(m not in ("ppl", "passkey") for m in _measures(args)):  # unknown task names are refused here too
@@ -288,6 +307,8 @@ def _prepare(args, demo: bool):
         from ..sources import check_source
 
         check_source(args.model, gguf_file=args.gguf_file, what="--model")
+        if args.evaluator:
+            check_source(args.evaluator, what="--evaluator")
         if args.adapter is not None and not (Path(args.adapter) / "adapter_config.json").is_file():
             raise FileNotFoundError(f"--adapter {args.adapter}: not a LoRA adapter folder (no adapter_config.json)")
     texts = load_texts(args.data, split=args.data_split, text_field=args.text_field) if args.data else None
@@ -395,8 +416,19 @@ def _jobs(args, demo: bool, device: str, texts):
         load_skeleton=lambda: model_skeleton(model_id, gguf_file=args.gguf_file),
         texts=texts, methods=args.methods, factor=args.factor, options=args.option,
         info={"model": model_id, "gguf_file": args.gguf_file, "adapter": args.adapter},
+        load_evaluator=_evaluator_loader(args, device) if args.evaluator else None,
     )
     return [job], texts, args.lengths
+
+
+def _evaluator_loader(args, device: str):
+    from ..evaluation.models import load_model, load_tokenizer
+
+    def load(state):
+        model = load_model(args.evaluator, dtype=args.dtype, device=device, state=state)
+        return model, load_tokenizer(args.evaluator), args.evaluator
+
+    return load
 
 
 def _document(args, started, device, state, outcome, texts, rows, max_windows, max_tokens, settings) -> dict:

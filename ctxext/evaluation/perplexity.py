@@ -131,13 +131,17 @@ def _forward_rows(model, input_ids: torch.Tensor, keep: int) -> _Rows:
     return _Rows(logits, input_ids.shape[1] - logits.shape[1])
 
 
-def _window_nll(rows: _Rows, item: int, ids: torch.Tensor, window: Window) -> tuple[float, int, float, int]:
-    """(nll_sum, tokens, nll_sum_last_quarter, tokens_last_quarter) of one window's scored targets."""
+def _window_nll(rows: _Rows, item: int, ids: torch.Tensor, window: Window, key: torch.Tensor | None = None,
+                each: torch.Tensor | None = None) -> tuple:
+    """(nll_sum, tokens, nll_sum_last_quarter, tokens_last_quarter) of one window's scored targets; with ``key`` (a
+    bool mask over the document's positions) also (nll_sum_key, tokens_key) of the targets it marks. ``each``, a
+    float tensor over the document's positions, receives every target's NLL."""
     rel_first = window.first_target - window.begin  # in-window position of the first target
     targets = ids[window.first_target : window.end].to(rows.device)
     q_start = last_quarter_start(window.length)
     nll_sum = 0.0
     nll_q = 0.0
+    nll_key = 0.0
     for lo in range(0, targets.numel(), _CE_CHUNK):
         hi = min(lo + _CE_CHUNK, targets.numel())
         scores = rows.get(item, rel_first - 1 + lo, rel_first - 1 + hi)
@@ -146,8 +150,16 @@ def _window_nll(rows: _Rows, item: int, ids: torch.Tensor, window: Window) -> tu
         q_lo = max(0, q_start - (rel_first + lo))  # index into this piece where the last quarter begins
         if q_lo < nll.numel():
             nll_q += nll[q_lo:].sum().item()
+        if key is not None:
+            marks = key[window.first_target + lo : window.first_target + hi].to(nll.device)
+            nll_key += nll[marks].sum().item()
+        if each is not None:
+            each[window.first_target + lo : window.first_target + hi] = nll.cpu()
     n_q = window.end - max(window.first_target, window.begin + q_start)
-    return nll_sum, int(targets.numel()), nll_q, max(0, n_q)
+    out = (nll_sum, int(targets.numel()), nll_q, max(0, n_q))
+    if key is not None:
+        out += (nll_key, int(key[window.first_target : window.end].sum()))
+    return out
 
 
 @torch.no_grad()
@@ -159,8 +171,10 @@ def score_windows(
     progress: bool = True,
     state=None,
     desc: str = "perplexity",
-) -> list[tuple[float, int, float, int]]:
-    """Score (document ids, window) pairs; returns one (nll, tokens, nll_lq, tokens_lq) per item, in order.
+    keys: Sequence[torch.Tensor | None] | None = None,
+) -> list[tuple]:
+    """Score (document ids, window) pairs; returns one (nll, tokens, nll_lq, tokens_lq) per item, in order, and
+    with ``keys`` (one bool mask over each item's document positions) also (nll_key, tokens_key).
 
     With ``state`` (an accelerate ``PartialState``) of several processes, each process scores a
     contiguous share and the shares are gathered on every process.
@@ -186,7 +200,7 @@ def score_windows(
         keep = max(w.n_targets for _, (_, w) in batch) + 1
         rows = _forward_rows(model, input_ids, keep)
         for item, (index, (ids, w)) in enumerate(batch):
-            scores.append((index, _window_nll(rows, item, ids, w)))
+            scores.append((index, _window_nll(rows, item, ids, w, None if keys is None else keys[index])))
         del rows
         bar.update(len(batch) * (state.num_processes if distributed else 1))
     bar.close()
@@ -204,7 +218,13 @@ def summarize(scores: Sequence[tuple[float, int, float, int]]) -> dict[str, Any]
     tokens = sum(s[1] for s in scores)
     nll_q = math.fsum(s[2] for s in scores)
     tokens_q = sum(s[3] for s in scores)
-    return {
+    keyed = {}
+    if scores and len(scores[0]) > 4:  # key-token perplexity (ctxext.evaluation.keytokens)
+        nll_k = math.fsum(s[4] for s in scores)
+        tokens_k = sum(s[5] for s in scores)
+        keyed = {"ppl_key": math.exp(nll_k / tokens_k) if tokens_k else None, "nll_sum_key": nll_k,
+                 "key_tokens": tokens_k}
+    return {**keyed,
         "ppl": math.exp(nll / tokens) if tokens else None,
         "nll_sum": nll,
         "tokens": tokens,
@@ -255,26 +275,10 @@ def perplexity(
     )
 
 
-def score_documents(
-    model,
-    documents: Sequence[torch.Tensor],
-    length: int,
-    *,
-    protocol: str = "chunks",
-    stride: int | None = None,
-    max_windows: int | None = None,
-    batch_size: int = 1,
-    progress: bool = True,
-    state=None,
-    desc: str | None = None,
-) -> dict[str, Any]:
-    """Perplexity over several documents at window ``length``: all their windows pooled.
-
-    Documents shorter than ``length`` are skipped and counted (``documents_skipped``). ``max_windows``
-    caps the windows in total: they are spread evenly over all documents' windows (every k-th window of
-    the full plan), so a capped run samples the whole text, not its beginning; long-enough documents
-    that get no window are counted in ``documents_unused``.
-    """
+def plan_documents(documents: Sequence[torch.Tensor], length: int, *, protocol: str = "chunks",
+                   stride: int | None = None, max_windows: int | None = None):
+    """The windows that score ``documents`` at ``length``: ([(document number, ids, window)], documents too short,
+    numbers of the documents long enough), ``max_windows`` of them spread evenly over the full plan."""
     stride = check_protocol(protocol, length, stride)
     plan: list[tuple[int, torch.Tensor, Window]] = []
     skipped = 0
@@ -290,12 +294,42 @@ def score_documents(
         if max_windows < 1:
             raise ValueError(f"max_windows must be >= 1, got {max_windows}")
         plan = [plan[i] for i in spread(len(plan), max_windows)]
+    return plan, skipped, long_enough
+
+
+def score_documents(
+    model,
+    documents: Sequence[torch.Tensor],
+    length: int,
+    *,
+    protocol: str = "chunks",
+    stride: int | None = None,
+    max_windows: int | None = None,
+    batch_size: int = 1,
+    progress: bool = True,
+    state=None,
+    desc: str | None = None,
+    key_masks: Sequence[torch.Tensor] | None = None,
+) -> dict[str, Any]:
+    """Perplexity over several documents at window ``length``: all their windows pooled.
+
+    With ``key_masks`` (one bool mask per document over its positions, see :mod:`.keytokens`) the result also holds
+    the perplexity of the marked targets alone (``ppl_key``, ``key_tokens``).
+
+    Documents shorter than ``length`` are skipped and counted (``documents_skipped``). ``max_windows``
+    caps the windows in total: they are spread evenly over all documents' windows (every k-th window of
+    the full plan), so a capped run samples the whole text, not its beginning; long-enough documents
+    that get no window are counted in ``documents_unused``.
+    """
+    stride = check_protocol(protocol, length, stride)
+    plan, skipped, long_enough = plan_documents(documents, length, protocol=protocol, stride=stride,
+                                                max_windows=max_windows)
     items = [(ids, w) for _, ids, w in plan]
     scored_docs = len({number for number, _, _ in plan})
     unused = len(long_enough) - scored_docs
     scores = score_windows(
         model, items, batch_size=batch_size, progress=progress, state=state,
-        desc=desc or f"{protocol} L={length}",
+        desc=desc or f"{protocol} L={length}", keys=None if key_masks is None else [key_masks[n] for n, _, _ in plan],
     )
     result = summarize(scores)
     result.update(

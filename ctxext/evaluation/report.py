@@ -52,8 +52,15 @@ def format_report(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any
         for kind, field, what in (
             ("ppl", "ppl", f"perplexity ({proto})"),
             ("ppl", "ppl_last_quarter", "perplexity, last quarter of each window"),
+            ("ppl", "ppl_key", "key-token perplexity (LongPPL: tokens that need long context)"),
             ("passkey", "accuracy", "passkey accuracy"),
         ):
+            if field == "ppl_key":
+                counts = sorted({r["key_tokens"] for r in mine if r.get("key_tokens") is not None})
+                if not any(r.get("ppl_key") is not None for r in mine):
+                    continue
+                what += f"; {counts[0]}-{counts[-1]} key tokens per cell" if len(counts) > 1 else \
+                    f"; {counts[0]} key tokens per cell"
             table = format_table(mine, kind=kind, field=field, title=f"{what} - {where}")
             if table:
                 parts.append(table)

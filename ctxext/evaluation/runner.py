@@ -16,7 +16,8 @@ from ..errors import PatchError
 from .data import Texts, tokenize_texts
 from .models import model_info
 from .passkey import DEFAULT_DEPTHS, passkey_accuracy, passkey_prompt_check
-from .perplexity import score_documents
+from .keytokens import key_masks, needed_ranges
+from .perplexity import plan_documents, score_documents
 from .requests import NONE, MethodRequest, check_request, parse_methods
 from .results import ResultStore, row_key
 from .tasks import Encoder, check_length, task_accuracy
@@ -47,6 +48,11 @@ class Settings:
     task_samples: int = 10
     task_depths: tuple[float, ...] = DEFAULT_DEPTHS
     chat_template: bool = True
+    #: Key-token perplexity (``ctxext.evaluation.keytokens``) beside perplexity; the evaluator's long and short
+    #: contexts (None: its trained length, and an eighth of that).
+    key_tokens: bool = False
+    key_context: int | None = None
+    key_short: int | None = None
 
     def windows_for(self, length: int) -> int | None:
         caps = [c for c in (self.max_windows, None if self.max_tokens is None else max(1, self.max_tokens // length))
@@ -78,6 +84,8 @@ class ModelJob:
     info: dict[str, Any] = field(default_factory=dict)
     #: The model without weights (see :mod:`.preflight`), for checks before anything loads; None: no such checks.
     load_skeleton: Callable[[], Any] | None = None
+    #: The key-token evaluator: (model, tokenizer, label) from the accelerate state; None: the model itself, unpatched.
+    load_evaluator: Callable[[Any], tuple] | None = None
 
 
 def default_lengths(original: int) -> list[int]:
@@ -105,6 +113,7 @@ class Runner:
         self.command = command
         self.outcome = Outcome()
         self.main = state is None or state.is_main_process
+        self._masks = None  # the current model's key tokens (one bool mask per document), when asked for
 
     # -- messages (main process only) -------------------------------------------------------------
     def log(self, message: str) -> None:
@@ -173,6 +182,9 @@ class Runner:
                 )
             else:
                 usable.append(length)
+        self._masks = None
+        if s.key_tokens and s.perplexity and usable:
+            self._masks = self._key_masks(job, model, info, docs, usable)
         requests = []
         for req in self._requests(job, model, info, lengths):
             try:
@@ -245,6 +257,34 @@ class Runner:
             info["methods"].setdefault(req.label, None if req.method == NONE else _spec_of(self.store, job.label, req))
         del model
 
+    def _key_masks(self, job: ModelJob, model, info: dict[str, Any], docs, usable: list[int]):
+        """The key tokens among every target the perplexity windows will score, found once per model by the
+        evaluator (the model itself, unpatched, unless the job names another)."""
+        s = self.settings
+        plans = [plan_documents(docs, n, protocol=s.protocol, stride=s.stride_for(n), max_windows=s.windows_for(n))[0]
+                 for n in usable]
+        if job.load_evaluator is None:
+            evaluator, label, context = model, "the model itself, unpatched", info.get("original_length")
+        else:
+            evaluator, ev_tokenizer, label = job.load_evaluator(self.state)
+            if [d.tolist() for d in tokenize_texts(ev_tokenizer, job.texts.texts)] != [d.tolist() for d in docs]:
+                raise ValueError(f"--evaluator {label}: its tokenizer splits the text differently from the model's; "
+                                 "key tokens are compared token by token, so the evaluator must share the tokenizer")
+            context = model_info(evaluator, label, label=label).get("original_length")
+        context = s.key_context or context
+        if not context:
+            raise ValueError(f"{job.label}: the key-token evaluator advertises no context length; give --key-context")
+        masks, found = key_masks(evaluator, docs, needed_ranges(plans, len(docs)), context=context, short=s.key_short,
+                                 state=self.state, progress=s.progress)
+        found["evaluator"] = label
+        info["key_tokens"] = found
+        share = found["key_tokens"] / found["positions"] if found["positions"] else 0.0
+        self.log(f"{job.label}: key tokens: {found['key_tokens']} of {found['positions']} scored positions "
+                 f"({100 * share:.1f}%), by {label} (context {found['context']}, short {found['short']})")
+        if evaluator is not model:
+            del evaluator
+        return masks
+
     def _task_sources(self, job: ModelJob, tokenizer):
         """The tokenizer's haystacks: prose from the job's texts, RULER's noise sentence."""
         return task_sources(Encoder(tokenizer, chat_template=self.settings.chat_template), job.texts.texts)
@@ -255,7 +295,7 @@ class Runner:
         if kind == "ppl":
             row = score_documents(
                 model, docs, length, protocol=s.protocol, stride=s.stride_for(length), max_windows=s.windows_for(length),
-                batch_size=s.batch_for(length), progress=s.progress, state=self.state,
+                batch_size=s.batch_for(length), progress=s.progress, state=self.state, key_masks=self._masks,
             )
         elif kind != "passkey":
             row = task_accuracy(model, sources, kind, length, samples=s.task_samples, depths=s.task_depths,
