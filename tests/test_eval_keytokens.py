@@ -35,6 +35,35 @@ def test_key_token_perplexity_rows_and_table(llama_dir, tmp_path, capsys):
     assert "key tokens:" in capsys.readouterr().err
 
 
+def test_marked_tokens_reach_every_row_and_the_table(llama_dir, tmp_path, capsys, monkeypatch):
+    """A random model marks no key token; mark every third position to follow the masks through the run (the
+    selection itself is tested on a constructed case in test_keytokens.py)."""
+    import torch
+
+    from ctxext.evaluation import runner
+
+    def every_third(evaluator, documents, needed, **kwargs):
+        masks = []
+        for doc, ranges in zip(documents, needed):
+            mask = torch.zeros(doc.numel(), dtype=torch.bool)
+            for lo, hi in ranges:
+                mask[lo:hi] = (torch.arange(lo, hi) % 3) == 0
+            masks.append(mask)
+        return masks, {"key_tokens": int(sum(m.sum() for m in masks)), "positions": 1, "context": 64, "short": 8}
+
+    monkeypatch.setattr(runner, "key_masks", every_third)
+    out = tmp_path / "r.json"
+    rc = run("--model", llama_dir, "--data", CORPUS, "--lengths", "64,128", "--methods", "none", "--protocol",
+             "chunks", "--max-windows", "2", "--key-tokens", "--output", out)
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]
+    for r in rows:
+        # chunks of L score targets 1..L-1 of each window; a third of them are marked
+        assert r["key_tokens"] == pytest.approx(r["tokens"] / 3, abs=2 * r["windows"])
+        assert r["ppl_key"] > 1 and r["ppl_key"] != r["ppl"]
+    assert "key-token perplexity (LongPPL" in capsys.readouterr().out
+
+
 def test_an_evaluator_with_the_same_tokenizer_is_used(llama_dir, tmp_path, capsys):
     other = save_tiny_gpt2(tmp_path / "gpt2", max_positions=128)  # the same test tokenizer
     out = tmp_path / "r.json"

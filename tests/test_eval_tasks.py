@@ -68,8 +68,10 @@ def test_tasks_only_skips_perplexity_and_too_short_lengths_are_reported(llama_di
     (["--tasks", "qa_2"], "not offline"),
     (["--tasks", "vt", "--task-samples", "0"], "must be >= 1"),
     (["--tasks", "niah", "--task-depths", "0,2"], "between 0 and 1"),
+    (["--tasks", "niah", "--plot", "x.png", "--heatmap", "x.png"], "is the --plot file"),
 ])
-def test_bad_tasks_refused_before_anything_loads(tmp_path, capsys, argv, said):
+def test_bad_tasks_refused_before_anything_loads(tmp_path, capsys, monkeypatch, argv, said):
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "r.json"
     try:
         rc = run("--model", tmp_path / "missing-model", "--output", out, *argv)
@@ -118,3 +120,10 @@ def test_task_rows_are_checked_like_passkey_rows():
     assert row_problem(row) is None
     assert "accuracy" in row_problem(dict(row, accuracy=2))
     assert "kind" in row_problem(dict(row, kind="nonsense"))
+
+
+def test_evaluator_without_model_is_refused(tmp_path, capsys):
+    rc = main(["eval", "--key-tokens", "--evaluator", str(tmp_path), "--output", str(tmp_path / "r.json")])
+    assert rc == 2
+    assert "--evaluator need --model" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []

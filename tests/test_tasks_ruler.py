@@ -150,8 +150,48 @@ def test_fwe_answers_are_the_second_to_fourth_most_frequent(src, tokenizer):
 
 
 def test_too_short_a_length_is_refused_with_the_need(src):
-    with pytest.raises(ValueError, match=r"niah_multiquery needs more than 200 tokens \(\d+ at least"):
+    with pytest.raises(ValueError, match=r"niah_multiquery needs more than 200 tokens with this tokenizer .*\(\d+ at "
+                       r"least"):
         check_length("niah_multiquery", src, 200)
+
+
+def _shortest_checked(src, name: str) -> int:
+    length = 64
+    while True:
+        try:
+            check_length(name, src, length)
+            return length
+        except ValueError:
+            length += 8
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_every_sample_fits_the_shortest_length_the_check_accepts(src, name):
+    """Samples differ in their keys and words: the check leaves room for all of them (30 tried), or a run would
+    fail on a later sample at a length it accepted."""
+    length = _shortest_checked(src, name)
+    for index in range(30):
+        sample = generate(TASKS[name], src, length, seed=0, index=index, depth=index % 5 / 4)
+        assert len(sample.ids) + sample.max_new_tokens == length
+
+
+def test_cwe_says_when_its_word_pool_runs_out(src):
+    with pytest.raises(ValueError, match=r"cwe fits at most about \d+ tokens: its word pool"):
+        generate(TASKS["cwe"], src, 262144, seed=0)
+
+
+def test_cwe_answer_budget_holds_the_numbered_list(src, tokenizer):
+    sample = generate(TASKS["cwe"], src, 4096, seed=0)
+    numbered = " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(sample.answers))
+    assert len(tokenizer(numbered, add_special_tokens=False)["input_ids"]) < sample.max_new_tokens
+
+
+def test_unpunctuated_text_still_offers_boundaries_near_each_depth(tokenizer):
+    words = ("lorem ipsum dolor sit amet consectetur adipiscing elit " * 3000).strip()
+    plain = sources(Encoder(tokenizer, chat_template=False), [words])
+    for depth in (0.1, 0.5, 0.9):
+        sample = generate(TASKS["niah_single_2"], plain, 2048, seed=0, depth=depth)
+        assert abs(sample.depth - depth) < 0.05
 
 
 def test_chat_template_wraps_the_task_and_prefills_the_answer_prefix(tokenizer, text):
@@ -207,6 +247,8 @@ def test_oracle_scores_full_marks_and_nothing_once_the_needle_is_left_out(src, t
     assert row["accuracy"] == 1.0 and row["trials"] == 6
     assert row["depths"] == {"0": 1.0, "0.5": 1.0, "1": 1.0}
     assert row["prompt_tokens"] < 1024 and row["metric"] == "string_match_all"
+    assert [p["score"] for p in row["predictions"]] == [1.0] * 6
+    assert all(p["expected"][0] in p["output"] for p in row["predictions"])
     monkeypatch.setattr(ruler, "insert_at_depths", lambda ids, starts, pieces: (ids, [0.0] * len(pieces)))
     row = task_accuracy(model, src, name, 1024, samples=6, depths=(0.0, 0.5, 1.0), progress=False)
     assert row["accuracy"] == 0.0

@@ -191,7 +191,7 @@ def run_eval(args) -> int:
 
 
 def _run(args, demo, device, output, jobs, texts, lengths, state) -> int:
-    from ..evaluation.fingerprint import data_fingerprint, model_fingerprint
+    from ..evaluation.fingerprint import data_fingerprint, model_fingerprint, tokenizer_fingerprint
     from ..evaluation.results import ResultStore
     from ..evaluation.runner import Runner, Settings
 
@@ -215,11 +215,13 @@ def _run(args, demo, device, output, jobs, texts, lengths, state) -> int:
         "passkey": [True, list(args.passkey_depths), args.passkey_trials, args.seed] if settings.passkey else None,
     }
     if tasks:  # absent without tasks: runs from before tasks existed still resume
-        fingerprint["tasks"] = [tasks, args.task_samples, list(args.task_depths), args.seed, not args.no_chat_template]
+        fingerprint["tasks"] = [tasks, args.task_samples, list(args.task_depths), args.seed, not args.no_chat_template,
+                                [tokenizer_fingerprint(j.info) for j in jobs]]
     if not settings.perplexity:
         fingerprint["perplexity"] = False
     if args.key_tokens:  # ppl rows then carry key-token perplexity: only such rows resume
-        fingerprint["key_tokens"] = [args.evaluator, args.key_context, args.key_short]
+        fingerprint["key_tokens"] = [args.evaluator, args.key_context, args.key_short,
+                                     model_fingerprint({"model": args.evaluator}) if args.evaluator else None]
     store = ResultStore(output, fingerprint, resume=args.resume, enabled=state.is_main_process)
     runner = Runner(settings, store, state, command=args.command)
     for problem in store.rejected:
@@ -270,8 +272,8 @@ def _prepare(args, demo: bool):
     from ..evaluation.results import check_output, jsonl_path
     from ..evaluation.windows import check_protocol
 
-    if demo and (args.gguf_file or args.adapter):
-        raise ValueError("--gguf-file and --adapter need --model")
+    if demo and (args.gguf_file or args.adapter or args.evaluator):
+        raise ValueError("--gguf-file, --adapter and --evaluator need --model")
     if args.key_tokens and "ppl" not in _measures(args):
         raise ValueError("--key-tokens is a perplexity: add ppl to --tasks")
     if not args.key_tokens and (args.evaluator or args.key_context or args.key_short):
@@ -301,6 +303,8 @@ def _prepare(args, demo: bool):
     if plot:
         _check_plot(plot, data=args.data)
     heatmap = _heatmap_path(args, demo)
+    if heatmap and plot and Path(heatmap).resolve() == Path(plot).resolve():
+        raise ValueError(f"--heatmap {heatmap} is the --plot file; choose another")
     if heatmap and heatmap != _derived_heatmap(plot):
         _check_plot(heatmap, data=args.data, flag="--heatmap")
     if not demo:

@@ -52,15 +52,19 @@ def _hub_commit(model_id: str) -> str | None:
     return Path(found).parent.name if isinstance(found, str) else None
 
 
-def model_fingerprint(info: dict[str, Any]) -> dict[str, Any]:
-    """The files behind a job's ``info`` (``model``, optional ``gguf_file`` and ``adapter``)."""
-    model = str(info.get("model") or "")
+def _folder(model: str) -> Path:
+    """The local folder a job's ``model`` names (a shipped reference model's, or the path itself)."""
     if model.startswith("ctxext.reference:"):
         from ..reference import reference_path
 
-        folder = Path(reference_path(model.split(":", 1)[1]))
-    else:
-        folder = Path(model).expanduser()
+        return Path(reference_path(model.split(":", 1)[1]))
+    return Path(model).expanduser()
+
+
+def model_fingerprint(info: dict[str, Any]) -> dict[str, Any]:
+    """The files behind a job's ``info`` (``model``, optional ``gguf_file`` and ``adapter``)."""
+    model = str(info.get("model") or "")
+    folder = _folder(model)
     out: dict[str, Any] = {}
     if folder.is_dir():
         out["model"] = folder_fingerprint(folder)
@@ -72,4 +76,21 @@ def model_fingerprint(info: dict[str, Any]) -> dict[str, Any]:
     adapter = info.get("adapter")
     if adapter and Path(adapter).is_dir():
         out["adapter"] = folder_fingerprint(Path(adapter))
+    return out
+
+
+#: Files that decide how a folder's tokenizer splits text and which chat template it applies.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt")
+
+
+def tokenizer_fingerprint(info: dict[str, Any]) -> dict[str, str]:
+    """sha256 of the tokenizer and chat-template files of a job's local model folder (task prompts depend on them;
+    a GGUF file's tokenizer is inside the file, which :func:`model_fingerprint` covers)."""
+    folder = _folder(str(info.get("model") or ""))
+    out = {}
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if path.is_file():
+            out[name] = hashlib.sha256(path.read_bytes()).hexdigest()
     return out

@@ -76,9 +76,9 @@ def token_nll(model, items: Sequence[tuple[int, torch.Tensor, Window]], sizes: S
     is_main = state is None or state.is_main_process
     for _, (number, ids, w) in tqdm(mine, desc=desc, unit="win", disable=not (progress and is_main), leave=False):
         rows = _forward_rows(model, ids[w.begin : w.end].unsqueeze(0).to(device), w.n_targets + 1)
-        each = torch.full((ids.numel(),), float("nan"), dtype=torch.float64)
+        each = torch.empty(w.n_targets, dtype=torch.float64)
         _window_nll(rows, 0, ids, w, each=each)
-        found.append((number, w.first_target, each[w.first_target : w.end].clone()))
+        found.append((number, w.first_target, each))
     if distributed:
         from accelerate.utils import gather_object
 

@@ -135,7 +135,7 @@ def _window_nll(rows: _Rows, item: int, ids: torch.Tensor, window: Window, key: 
                 each: torch.Tensor | None = None) -> tuple:
     """(nll_sum, tokens, nll_sum_last_quarter, tokens_last_quarter) of one window's scored targets; with ``key`` (a
     bool mask over the document's positions) also (nll_sum_key, tokens_key) of the targets it marks. ``each``, a
-    float tensor over the document's positions, receives every target's NLL."""
+    float tensor of ``window.n_targets``, receives every target's NLL in order."""
     rel_first = window.first_target - window.begin  # in-window position of the first target
     targets = ids[window.first_target : window.end].to(rows.device)
     q_start = last_quarter_start(window.length)
@@ -154,7 +154,7 @@ def _window_nll(rows: _Rows, item: int, ids: torch.Tensor, window: Window, key: 
             marks = key[window.first_target + lo : window.first_target + hi].to(nll.device)
             nll_key += nll[marks].sum().item()
         if each is not None:
-            each[window.first_target + lo : window.first_target + hi] = nll.cpu()
+            each[lo:hi] = nll.cpu()
     n_q = window.end - max(window.first_target, window.begin + q_start)
     out = (nll_sum, int(targets.numel()), nll_q, max(0, n_q))
     if key is not None:

@@ -182,9 +182,6 @@ class Runner:
                 )
             else:
                 usable.append(length)
-        self._masks = None
-        if s.key_tokens and s.perplexity and usable:
-            self._masks = self._key_masks(job, model, info, docs, usable)
         requests = []
         for req in self._requests(job, model, info, lengths):
             try:
@@ -196,6 +193,10 @@ class Runner:
                     self.error(f"{job.label}: {exc}")
                 continue
             requests.append(req)
+        self._masks = None
+        if s.key_tokens and s.perplexity and any(self.store.done(("ppl", job.label, r.method, r.factor, n)) is None
+                                                 for r in requests for n in usable):  # not when every row resumed
+            self._masks = self._key_masks(job, model, info, docs, usable)
         plan = [("ppl", L) for L in usable] if s.perplexity else []
         if s.passkey:
             for length in lengths:

@@ -49,9 +49,9 @@ def _perplexity_verdict(label: str, rows: list[dict[str, Any]], trained: int) ->
     if base is None or base <= 0:
         return None
     longer = sorted({int(r["length"]) for r in rows if int(r["length"]) > trained})
-    if not longer:
+    headline = _headline(longer, trained)
+    if headline is None:
         return None
-    headline = trained * HEADLINE_MULTIPLE if trained * HEADLINE_MULTIPLE in longer else longer[-1]
     at = f"at {headline} = {_multiple(headline, trained)}"
 
     parts = []

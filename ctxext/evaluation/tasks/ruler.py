@@ -122,11 +122,20 @@ def sources(encoder: Encoder, texts: list[str]) -> Sources:
     return Sources(encoder, Haystack(encoder.many([" " + s for s in split_sentences(texts)]), "prose"))
 
 
+#: Words at most in one haystack unit: a needle goes in between units, so text without sentence punctuation (code,
+#: lower-case or unspaced scripts) still offers a boundary every few dozen words.
+UNIT_WORDS = 40
+
+
 def split_sentences(texts: list[str]) -> list[str]:
+    """Sentences (after ., ! or ? and a space before a capital, digit or quote), long ones cut every UNIT_WORDS
+    words."""
     out = []
     for text in texts:
         flat = " ".join(text.split())
-        out.extend(s for s in re.split(r"(?<=[.!?])\s+(?=[\"'A-Z0-9(])", flat) if s)
+        for sentence in re.split(r"(?<=[.!?])\s+(?=[\"'A-Z0-9(])", flat):
+            words_ = sentence.split(" ")
+            out.extend(" ".join(words_[i : i + UNIT_WORDS]) for i in range(0, len(words_), UNIT_WORDS) if sentence)
     return out
 
 
@@ -142,7 +151,10 @@ def generate(task: Task, src: Sources, length: int, *, seed: int = 0, index: int
 
 
 def _budget(task: Task, enc: Encoder, answers: list[str]) -> int:
-    return min(task.ruler_tokens, len(enc.ids(" " + ", ".join(answers))) + ANSWER_MARGIN)
+    """Tokens to generate: the expected answer's, written the way the prompt invites (CWE: a numbered list), plus
+    ANSWER_MARGIN, at most RULER's budget."""
+    written = " ".join(f"{i + 1}. {a}" for i, a in enumerate(answers)) if task.family == "cwe" else ", ".join(answers)
+    return min(task.ruler_tokens, len(enc.ids(" " + written)) + ANSWER_MARGIN)
 
 
 def _frame(task: Task, enc: Encoder, length: int, template: str, answer_prefix: str, answers: list[str],
@@ -295,6 +307,9 @@ def _cwe_sample(task: Task, src: Sources, length: int, rng: random.Random, depth
     count = num_cw * freq_cw + (size - num_cw) * freq_ucw
     spare = " " + " ".join(f"{count + 1 + i}. {w}" for i, w in enumerate(order[size : size + 64]))
     context = context + enc.ids(spare)[: need - len(context)]  # words seen once: the top 10 stay the top 10
+    if len(context) < need:
+        raise ValueError(f"cwe fits at most about {len(context) + len(head) + len(tail) + new} tokens: its word "
+                         f"pool ({len(pool)} words) runs out before {length}")
     return Sample(head + context + tail, common, new)
 
 

@@ -6,8 +6,12 @@ from typing import Any, Sequence
 
 import torch
 
+from ..perplexity import _input_device
 from .ruler import TASKS, Sources, generate
 from .scoring import METRICS
+
+#: Characters of each answer kept in the result row.
+PREDICTION_CHARS = 300
 
 
 def plan_samples(samples: int, depths: Sequence[float]) -> list[float]:
@@ -15,9 +19,19 @@ def plan_samples(samples: int, depths: Sequence[float]) -> list[float]:
     return [depths[i % len(depths)] for i in range(samples)]
 
 
+#: Tokens a length must hold beyond what sample 0 needs (at least; an eighth of the length for long ones): samples
+#: differ by their keys, values and words, and a length where one barely fits leaves no haystack to search anyway.
+MARGIN = 128
+
+
 def check_length(task: str, src: Sources, length: int, *, seed: int = 0) -> None:
-    """Raise ValueError if ``task`` cannot fit ``length`` tokens with this tokenizer."""
-    generate(TASKS[task], src, length, seed=seed, index=0, depth=0.5)
+    """Raise ValueError if ``task`` cannot fit ``length`` tokens with this tokenizer, with room for every sample."""
+    margin = max(MARGIN, length // 8)
+    try:
+        generate(TASKS[task], src, length - margin, seed=seed, index=0, depth=0.5)
+    except ValueError as exc:
+        raise ValueError(f"{task} needs more than {length} tokens with this tokenizer (its instructions, question "
+                         f"and answer leave less than {margin} tokens of haystack): {exc}") from None
 
 
 @torch.no_grad()
@@ -40,22 +54,30 @@ def task_accuracy(model, src: Sources, task: str, length: int, *, samples: int =
             mine = list(mine)
     else:
         mine = plan
-    device = next(model.parameters()).device
+    device = _input_device(model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     is_main = state is None or state.is_main_process
     outcomes = []
     for index, depth in tqdm(mine, desc=f"{task} L={length}", disable=not (progress and is_main), leave=False):
-        sample = generate(spec, src, length, seed=seed, index=index, depth=depth)
+        try:
+            sample = generate(spec, src, length, seed=seed, index=index, depth=depth)
+        except ValueError as exc:  # told to every process after the gather, so none is left waiting in it
+            outcomes.append((index, depth, None, None, 0, {"error": str(exc)}))
+            continue
         ids = torch.tensor([sample.ids], device=device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=sample.max_new_tokens,
                              do_sample=False, num_beams=1, pad_token_id=pad)
         text = src.encoder.decode(out[0, ids.shape[1]:].tolist())
-        outcomes.append((index, depth, sample.depth, metric(text, sample.answers), len(sample.ids)))
+        outcomes.append((index, depth, sample.depth, metric(text, sample.answers), len(sample.ids),
+                         {"expected": sample.answers, "output": text[:PREDICTION_CHARS]}))
     if distributed:
         from accelerate.utils import gather_object
 
         outcomes = gather_object(outcomes)
     outcomes.sort(key=lambda o: o[0])
+    failed = [o for o in outcomes if o[3] is None]
+    if failed:
+        raise ValueError(f"{task} at {length}: sample {failed[0][0]} does not fit ({failed[0][5]['error']})")
     row: dict[str, Any] = {
         "accuracy": sum(o[3] for o in outcomes) / len(outcomes),
         "trials": len(outcomes),
@@ -63,6 +85,8 @@ def task_accuracy(model, src: Sources, task: str, length: int, *, samples: int =
         "seed": seed,
         "metric": f"string_match_{spec.metric}",
         "chat_template": src.encoder.chat,
+        # what the model answered, so a 0% can be read (cut to PREDICTION_CHARS characters)
+        "predictions": [dict(o[5], score=o[3]) for o in outcomes],
     }
     if spec.has_depth:
         per_depth = {}

@@ -8,10 +8,10 @@ reads the same as the joined text.
 
 from __future__ import annotations
 
-import functools
 from typing import Sequence
 
 _MARK = "\u2063CTXEXT-CONTEXT\u2063"
+_CACHED_CHARS = 2000
 
 
 class Encoder:
@@ -19,6 +19,7 @@ class Encoder:
 
     def __init__(self, tokenizer, *, chat_template: bool = True):
         self.tokenizer = tokenizer
+        self._cache: dict[str, tuple[int, ...]] = {}
         template = getattr(tokenizer, "chat_template", None)
         self.chat = bool(chat_template and template)
         if self.chat:
@@ -33,12 +34,13 @@ class Encoder:
             self.chat_open = self.chat_close = ""
             self.special_head = _leading_specials(tokenizer)
 
-    @functools.lru_cache(maxsize=4096)
-    def _ids(self, text: str) -> tuple[int, ...]:
-        return tuple(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
-
     def ids(self, text: str) -> list[int]:
-        return list(self._ids(text))
+        cached = self._cache.get(text)
+        if cached is None:
+            cached = tuple(self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+            if len(text) <= _CACHED_CHARS:  # templates, needles, units: not the long lists the fits try
+                self._cache[text] = cached
+        return list(cached)
 
     def many(self, texts: Sequence[str]) -> list[list[int]]:
         if not texts:
