@@ -11,9 +11,14 @@ method that fits the model unless ``--methods`` names some, factor = longest len
 (needle accuracy by depth x length per method), prints the tables and the verdict, and writes ``OUT.md`` with one
 table of task averages and key-token perplexity per length, which the README's "which method, where" quotes.
 
-Cost on an idle 2-core CPU: a forward pass of 8k tokens takes about 30 s, 16k about 100 s, and every task sample is
-one such pass (plus a few dozen decoding steps); 2 samples x 6 tasks x 7 methods x (4k + 8k) is about 3 hours, so
-on CPU choose ``--methods`` and ``--samples`` (e.g. ``--methods none,yarn,self-extend,streaming-llm --samples 2``).
+Cost: every task sample is one forward pass of the full length plus a few dozen decoding steps. Measured on this
+project's 2-core CPU (2026-11-24, ``--lengths 8k,16k --methods none,yarn,self-extend,streaming-llm --tasks
+ppl,niah_single_1,niah_single_2 --samples 2``): finding the key tokens for 16,384 scored positions took 14 minutes
+(the evaluator reads each with 4k-8k tokens of context and again with 1k), perplexity at 8k 84 s per window, and a
+task sample at 8k 79 s; the 16k half would have taken about 25 minutes per method, so the run was stopped after
+the unpatched model at 8k (niah_single_1 and niah_single_2: 1 of 2 each; the needle at depth 0 was missed, at 0.25
+found; 51 key tokens, 0.3% of the positions). On CPU keep to ``--lengths 8k,16k`` with two or three methods, or run
+it on a GPU (``--device cuda --dtype bfloat16``), where the whole table at 4k-32k is minutes.
 """
 
 from __future__ import annotations
