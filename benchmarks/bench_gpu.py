@@ -35,7 +35,7 @@ def build(variant: str, length: int, dtype):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import ctxext
-    from ctxext.registry import METHODS
+    from ctxext.methods.registry import METHODS
 
     config = small_llama_config(L0)
     if variant == "flex":
@@ -52,7 +52,7 @@ def build(variant: str, length: int, dtype):
 def measure(variant: str, length: int, dtype, runs: int) -> dict | None:
     import torch
 
-    from ctxext.errors import PatchError
+    from ctxext.core.errors import PatchError
 
     try:
         model = build(variant, length, dtype)

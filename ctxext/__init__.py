@@ -6,9 +6,9 @@
 """
 
 from .api import available_methods, describe, dynamic_length, patch, patched, unpatch
-from .errors import PatchError
+from .core.errors import PatchError
 from .loading import from_pretrained
-from .spec import PatchSpec
+from .core.spec import PatchSpec
 
 __version__ = "0.1.0.dev0"
 

@@ -12,12 +12,12 @@ from torch import nn
 
 from .adapters import ADAPTERS, find_adapter
 from .adapters.base import Restore, copy_restore, run_all
-from .active import ACTIVE as _ACTIVE
-from .active import base_model, describe, require_transformers_model  # base_model, describe: public here too
-from .active import pickle_refusal
-from .errors import PatchError
-from .registry import METHODS, resolve_method, validate_factor, validate_options
-from .spec import CONFIG_KEY, SAVED_AS_KEY, PatchSpec, install_save_mark, unmark_live_config
+from .core.active import ACTIVE as _ACTIVE
+from .core.active import base_model, describe, require_transformers_model  # base_model, describe: public here too
+from .core.active import pickle_refusal
+from .core.errors import PatchError
+from .methods.registry import METHODS, resolve_method, validate_factor, validate_options
+from .core.spec import CONFIG_KEY, SAVED_AS_KEY, PatchSpec, install_save_mark, unmark_live_config
 
 
 class _Missing:
@@ -77,7 +77,7 @@ class _ActivePatch:
         raise pickle_refusal(self.spec)
 
 
-#: A config that records a spec is saved marked (see ctxext.spec); installed once, at import.
+#: A config that records a spec is saved marked (see ctxext.core.spec); installed once, at import.
 _SAVE_MARK = install_save_mark()
 
 
@@ -110,7 +110,7 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, replace
     The spec is recorded in ``model.config.ctxext`` and the advertised context length becomes
     ``factor * original``. Patching a patched model raises unless ``replace=True``. ``factor`` is a number (int,
     float, numpy or 0-d torch scalar) in [1, ``MAX_FACTOR``]. While patched, ``save_pretrained`` writes a
-    ``config.json`` that plain transformers refuses (see ``ctxext.spec``); ``ctxext.from_pretrained`` reloads it.
+    ``config.json`` that plain transformers refuses (see ``ctxext.core.spec``); ``ctxext.from_pretrained`` reloads it.
     Bad input raises ``PatchError`` before anything changes.
     """
     model = base_model(model, "ctxext.patch")

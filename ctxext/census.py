@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .errors import PatchError
+from .core.errors import PatchError
 
 #: Original (advertised) length of every tiny model, the factor every method is applied with, the sequence length
 #: of the long checks, and the number of tokens decoded one at a time in the cache check.
@@ -473,7 +473,7 @@ class _Model:
 def check_method(entry: _Model, method: str) -> Row:
     """Patch a fresh copy of the model with ``method`` and run every check that applies."""
     import ctxext
-    from .registry import METHODS
+    from .methods.registry import METHODS
 
     row = Row(entry.name, entry.cls, method, "ok")
     info = METHODS[method]
@@ -593,7 +593,7 @@ def run_census(models: Iterable[str] | None = None, methods: Iterable[str] | Non
 
     Models whose tiny forward pass is slow on this machine (see ``SLOW_FORWARD``) are listed as skipped unless
     ``slow_models`` or they are named in ``models``."""
-    from .registry import METHODS, resolve_method
+    from .methods.registry import METHODS, resolve_method
 
     method_names = list(METHODS) if methods is None else [resolve_method(m).name for m in methods]
     rows: list[Row] = []
@@ -668,7 +668,7 @@ def _generic(row: Row) -> str:
 
 def format_census(rows: list[Row], markdown: bool = False, reasons: bool = True) -> str:
     """A model x method table: ``ok``, ``refused`` (reasons listed below the table), ``FAILED`` or skipped."""
-    from .registry import METHODS
+    from .methods.registry import METHODS
 
     methods = [m for m in METHODS if any(r.method == m for r in rows)]
     models: dict[str, dict[str, Row]] = {}

@@ -7,7 +7,7 @@ import argparse
 import importlib
 import sys
 
-from .errors import PatchError
+from .core.errors import PatchError
 
 #: Subcommand modules, in the order `ctxext --help` lists them.
 COMMAND_MODULES = [

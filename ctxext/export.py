@@ -2,7 +2,7 @@
 ``config.json``) load as the same model.
 
 Where a patch has an exact transformers-native form, ``model.save_pretrained(d)`` of the patched model writes that
-form instead of the marked config of ``ctxext.spec``:
+form instead of the marked config of ``ctxext.core.spec``:
 
 ================  =========================================================================================
 method (family)   what ``config.json`` / the weights say
@@ -49,9 +49,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .errors import PatchError
-from .native_form import NativeForm, NoNativeForm, no_form_reason
-from .spec import CONFIG_KEY, NATIVE_KEY, TENSORS_KEY, PatchSpec
+from .core.errors import PatchError
+from .core.native_form import NativeForm, NoNativeForm, no_form_reason
+from .core.spec import CONFIG_KEY, NATIVE_KEY, TENSORS_KEY, PatchSpec
 
 #: Relative tolerance between the patched model's rotary frequencies / attention scale and those transformers
 #: computes from the native config: float32 rounding (a few units in the last place), nothing more.
@@ -69,9 +69,9 @@ def native_form(model: nn.Module, spec: PatchSpec | None = None, *, check_only: 
     family whose native form needs no verification (GPT-2, BLOOM); the form returned then only says that one
     exists (rotary models are verified, so they must be patched)."""
     from .adapters import find_adapter
-    from .active import base_model, describe
+    from .core.active import base_model, describe
 
-    model = base_model(model, "ctxext.native_form")
+    model = base_model(model, "ctxext.core.native_form")
     if spec is None:
         active = describe(model)
         if active is None:
@@ -319,7 +319,7 @@ def _rotary_form(model: nn.Module, spec: PatchSpec) -> NativeForm:
 
 @contextlib.contextmanager
 def _native_json(model: nn.Module, form: NativeForm):
-    """While open, ``model.config`` is written in its native form (``ctxext.spec`` reads ``NATIVE_KEY``) and the
+    """While open, ``model.config`` is written in its native form (``ctxext.core.spec`` reads ``NATIVE_KEY``) and the
     state dict holds the native weights."""
     config = model.config
     block = getattr(config, CONFIG_KEY)
@@ -343,7 +343,7 @@ def _write_originals(folder: str | os.PathLike, form: NativeForm) -> None:
 
 def _save_pretrained(self: nn.Module, save_directory, *args, **kwargs):
     """``save_pretrained`` of a patched model: the native form of its patch where one exists, else (the class's
-    own ``save_pretrained`` with) the marked checkpoint of ``ctxext.spec``."""
+    own ``save_pretrained`` with) the marked checkpoint of ``ctxext.core.spec``."""
     original = functools.partial(type(self).save_pretrained, self)
     if not isinstance(vars(self.config).get(CONFIG_KEY), dict):  # the record was dropped (a baked table)
         return original(save_directory, *args, **kwargs)
@@ -360,7 +360,7 @@ def _save_pretrained(self: nn.Module, save_directory, *args, **kwargs):
 
 def install_save_hook(model: nn.Module) -> Callable[[], None]:
     """Make ``model.save_pretrained`` (and ``push_to_hub``, which saves through it) write the native form of the
-    active patch where one exists (else the marked checkpoint of ``ctxext.spec``). A bound method, so a deep copy of
+    active patch where one exists (else the marked checkpoint of ``ctxext.core.spec``). A bound method, so a deep copy of
     the model saves itself. Returns the undo."""
     model.save_pretrained = types.MethodType(_save_pretrained, model)
     return lambda: model.__dict__.pop("save_pretrained", None)
@@ -392,12 +392,12 @@ def export(model: nn.Module, out: str | os.PathLike, *, tokenizer: Any = None, o
     """Save the patched ``model`` (and ``tokenizer``) natively to ``out``; NoNativeForm (nothing written) where the
     patch has no native form. The folder is written beside ``out`` and renamed into place when complete, with a
     marker (``OUTPUT_MARKER``) listing what it wrote. ``overwrite`` replaces only such a folder (or an empty one),
-    never one holding other files or a folder ``ctxext.outputs`` protects (``inputs``: the folders read from).
-    ``ctxext export`` holds ``ctxext.outputs.OutputLock`` on ``out`` around this (and the model's load)."""
+    never one holding other files or a folder ``ctxext.core.outputs`` protects (``inputs``: the folders read from).
+    ``ctxext export`` holds ``ctxext.core.outputs.OutputLock`` on ``out`` around this (and the model's load)."""
     import shutil
     import tempfile
 
-    from .outputs import check_replaceable_folder
+    from .core.outputs import check_replaceable_folder
 
     form = native_form(model)
     out = Path(out)

@@ -8,9 +8,9 @@ from typing import Any
 from torch import nn
 
 from .api import patch, take_saved_spec
-from .errors import PatchError
-from .sources import check_source
-from .spec import CONFIG_KEY, TENSORS_KEY, PatchSpec, is_native, unmark_config_dict
+from .core.errors import PatchError
+from .data.sources import check_source
+from .core.spec import CONFIG_KEY, TENSORS_KEY, PatchSpec, is_native, unmark_config_dict
 
 
 def auto_tokenizer(source: Any, **kwargs: Any):
@@ -61,7 +61,7 @@ def _saved_config_dict(pretrained: Any, kwargs: dict[str, Any]) -> dict[str, Any
     """The raw config.json of a checkpoint saved from a ctxext-patched model (marked or not), else None."""
     if kwargs.get("gguf_file") or "config" in kwargs or not isinstance(pretrained, (str, os.PathLike)):
         return None
-    from .spec import transformers_config_class
+    from .core.spec import transformers_config_class
 
     try:
         hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
@@ -150,7 +150,7 @@ def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: An
     """``AutoModelForCausalLM.from_pretrained`` (same kwargs, ``gguf_file`` included) that re-applies a saved
     ctxext patch, and optionally loads a LoRA adapter directory saved by a ctxext fine-tune recipe.
 
-    The source is checked first (``ctxext.sources.check_source``): a missing folder or GGUF file, or a hub id with
+    The source is checked first (``ctxext.data.sources.check_source``): a missing folder or GGUF file, or a hub id with
     no network, fails at once with a message saying what to pass instead."""
     from transformers import AutoModelForCausalLM
 
@@ -206,7 +206,7 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
         from peft import PeftModel
     except ImportError as exc:  # pragma: no cover - peft is a declared extra
         raise ImportError("loading an adapter needs peft: pip install 'ctxext[finetune]'") from exc
-    from .outputs import file_damage
+    from .core.outputs import file_damage
 
     for name in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
         path = Path(adapter_dir) / name

@@ -12,7 +12,7 @@ import torch
 
 import ctxext
 from ctxext import census
-from ctxext.errors import PatchError
+from ctxext.core.errors import PatchError
 from test_scaled_rope import LONGROPE
 
 #: The models the census must cover without a failure row, with the methods each must patch ("ok").

@@ -51,7 +51,7 @@ def tasks(tmp_path):
 def test_model_type_patches_and_advertises_the_patched_length(model_dir):
     import lm_eval.api.registry as registry
 
-    import ctxext.lm_eval_model as m
+    import ctxext.integrations.lm_eval as m
 
     assert registry.get_model("ctxext") is m.CtxextLM
     lm = m.CtxextLM(pretrained=str(model_dir), method="yarn", factor=4, beta_fast=16, device="cpu")

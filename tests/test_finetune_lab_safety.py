@@ -26,7 +26,7 @@ from ctxext.cli import main  # noqa: E402
 from ctxext.finetune import train as ft_train  # noqa: E402
 from ctxext.lab import run as lab_run  # noqa: E402
 from ctxext.lab import shift as lab_shift  # noqa: E402
-from ctxext.outputs import check_writable_folder, file_damage  # noqa: E402
+from ctxext.core.outputs import check_writable_folder, file_damage  # noqa: E402
 
 WORDS = ("the of and to a in that it was her not be he his as had with for she you all which but at on have my "
          "so him by very said from this they no would been were could there an one what or Emma Harriet").split()

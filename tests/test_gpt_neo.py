@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, GPTNeoConfig, GPTNeoForCausalLM
 
 import ctxext
 from ctxext.adapters import find_adapter
-from ctxext.errors import PatchError
+from ctxext.core.errors import PatchError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from checks import pi_table_reference  # noqa: E402

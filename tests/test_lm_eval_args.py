@@ -65,7 +65,7 @@ def nothing_loads(monkeypatch, task_cache):
     """lm-eval's hf model constructor and its task loader fail the test if called; offline hub."""
     import lm_eval.tasks
 
-    import ctxext.lm_eval_model as m
+    import ctxext.integrations.lm_eval as m
 
     @functools.wraps(m.HFLM.__init__)  # keeps its signature, which ctxext reads for the accepted keys
     def model_loaded(*args, **kwargs):
@@ -183,7 +183,7 @@ def test_empty_include_of_tasks_glob_is_refused(llama, watch, capsys, tmp_path):
 ], ids=["method", "hf-args", "float64", "half", "bfloat16", "softmax-dtype", "from-pretrained-kwarg",
         "config-attributes", "empty-default"])
 def test_accepted_model_args(llama, model_args):
-    from ctxext.lm_eval_model import check_model_args
+    from ctxext.integrations.lm_eval import check_model_args
 
     check_model_args({"pretrained": llama, **model_args})
 
@@ -247,7 +247,7 @@ def test_index_is_built_once_per_folder_per_command(tmp_path):
     ("method=pi,factor=", "factor= has no value"),
 ], ids=["misspelled-option", "unknown-key", "dtype", "key-twice", "empty-factor"])
 def test_python_api_refuses_before_loading(llama, args, expect):
-    import ctxext.lm_eval_model as m
+    import ctxext.integrations.lm_eval as m
 
     with pytest.raises((ValueError, OSError)) as exc:
         m.CtxextLM.create_from_arg_string(f"pretrained={llama},{args}", {"device": "cpu"})

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import ctxext
 from ctxext.census import build_tiny
-from ctxext.errors import PatchError
+from ctxext.core.errors import PatchError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from checks import pi_table_reference  # noqa: E402

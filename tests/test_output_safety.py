@@ -18,7 +18,7 @@ from test_eval_fixtures import CORPUS, save_tiny_llama
 
 from ctxext.cli import main
 from ctxext.evaluation.results import row_problem
-from ctxext.outputs import OutputLock, lock_path
+from ctxext.core.outputs import OutputLock, lock_path
 
 EVAL = ["--no-progress", "--device", "cpu", "--data", str(CORPUS), "--lengths", "32", "--methods", "none,ntk",
         "--factor", "2", "--max-windows", "1"]
@@ -132,7 +132,7 @@ def _holder(out) -> subprocess.Popen:
     """Another process holding the output's lock, as a run loading its model would."""
     code = textwrap.dedent(f"""
         import sys, time
-        from ctxext.outputs import OutputLock
+        from ctxext.core.outputs import OutputLock
         with OutputLock({str(out)!r}):
             print("locked", flush=True)
             time.sleep(120)

@@ -18,7 +18,7 @@ from torch import nn
 import ctxext
 from ctxext import PatchError
 from ctxext.api import build_spec, take_saved_spec
-from ctxext.registry import MAX_FACTOR
+from ctxext.methods.registry import MAX_FACTOR
 
 NOT_HF = r"needs a transformers model \(an nn\.Module with a transformers PretrainedConfig as \.config"
 
@@ -175,7 +175,7 @@ def test_number_like_factors_are_accepted(factor):
 
 def test_cli_style_validate_factor_keeps_its_signature():
     """The CLI converts its strings to floats and calls registry.validate_factor(method_info, value)."""
-    from ctxext.registry import METHODS, validate_factor
+    from ctxext.methods.registry import METHODS, validate_factor
 
     assert validate_factor(METHODS["yarn"], 4.0) == 4.0
     assert validate_factor(METHODS["nope"], None) is None

@@ -148,7 +148,7 @@ def test_demo_refuses_before_work(name, argv, expect, models, out, capsys):
 
 def test_hub_id_offline_fails_at_once(models, out, capsys, monkeypatch):
     """No network: a hub id fails in well under a second, with a hint about local folders and GGUF files."""
-    import ctxext.sources as sources
+    import ctxext.data.sources as sources
 
     from huggingface_hub import constants
 

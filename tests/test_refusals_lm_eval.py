@@ -123,7 +123,7 @@ def test_help_still_shows_help(capsys):
 
 def test_error_line_matches_the_exception_message(models, watch, capsys):
     """The CLI line is `ctxext lm-eval: error: ` + the message that check_model_args raises."""
-    from ctxext.lm_eval_model import check_model_args
+    from ctxext.integrations.lm_eval import check_model_args
 
     line = assert_refused(_argv(models, "pretrained=LLAMA,method=foo", [], watch), capsys, watch, "foo")
     with pytest.raises(ValueError) as exc:
@@ -140,7 +140,7 @@ API_CASES = [c for c in CASES if c[2] == [] and c[0] != "method-does-not-fit-fam
 def test_python_api_refuses_with_the_same_message(models, monkeypatch, model_args, expect):
     import functools
 
-    import ctxext.lm_eval_model as m
+    import ctxext.integrations.lm_eval as m
 
     @functools.wraps(m.HFLM.__init__)  # its signature stays: the accepted model_args are read from it
     def no_load(*args, **kwargs):  # nothing may load before the checks pass
@@ -159,7 +159,7 @@ def test_python_api_refuses_with_the_same_message(models, monkeypatch, model_arg
 def test_python_api_factor_strings_become_numbers(models):
     """lm-eval model_args are strings; a number-like factor string is converted before `ctxext.patch`,
     whose API takes numbers only."""
-    from ctxext.lm_eval_model import check_model_args
+    from ctxext.integrations.lm_eval import check_model_args
 
     checked = check_model_args({"pretrained": models["LLAMA"], "method": "yarn", "factor": "4", "beta_fast": "16"})
     assert checked == {"method": "yarn", "factor": 4.0, "options": {"beta_fast": 16.0}}

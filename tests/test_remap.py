@@ -21,7 +21,7 @@ from conftest import rope_kwargs
 import ctxext.attention.remap as remap_attention
 from ctxext.adapters.remap import REMAP_METHODS, apply_remap, check_remap
 from ctxext.attention import use_attention
-from ctxext.errors import PatchError
+from ctxext.core.errors import PatchError
 from ctxext.methods.remap import PositionMap, Rotation, build_map, suggest_self_extend
 
 L0 = 64  # the tiny models' max_position_embeddings

@@ -15,7 +15,7 @@ from conftest import _takes_rope_parameters, rope_kwargs, tiny_llama
 
 import ctxext
 from ctxext.adapters.rotary_units import RotaryUnit, unit_inputs
-from ctxext.errors import PatchError
+from ctxext.core.errors import PatchError
 from ctxext.methods import rope
 
 L0 = 64  # the advertised length (max_position_embeddings) of every tiny model here

@@ -13,7 +13,7 @@ from checks import generate_equals_full_forward
 import ctxext
 from ctxext import PatchError
 from ctxext.adapters.sincos_table import table_modules
-from ctxext.native_form import NoNativeForm
+from ctxext.core.native_form import NoNativeForm
 
 N = 32  # the tiny models' n_positions
 FACTOR = 4

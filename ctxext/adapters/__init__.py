@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..errors import PatchError
+from ..core.errors import PatchError
 from .alibi_bias import FalconAlibiAdapter, MptAdapter
 from .base import Adapter
 from .bloom import BloomAdapter

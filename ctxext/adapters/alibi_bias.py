@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from ..methods.remap import REMAP_METHODS
-from ..spec import PatchSpec
+from ..core.spec import PatchSpec
 from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, run_all
 from .bloom import _active_transform, _hooks
 

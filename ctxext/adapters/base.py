@@ -11,7 +11,7 @@ from typing import Any
 
 from torch import nn
 
-from ..spec import PatchSpec
+from ..core.spec import PatchSpec
 
 Restore = Callable[[], None]
 
@@ -88,17 +88,17 @@ class Adapter:
         return False
 
     def native_form(self, model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
-        """The transformers-native form of ``spec`` on ``model`` (``ctxext.native_form.NativeForm``), or raise
+        """The transformers-native form of ``spec`` on ``model`` (``ctxext.core.native_form.NativeForm``), or raise
         ``NoNativeForm`` saying why there is none (the default: none). Rotary models are verified in
         ``ctxext.export``."""
-        from ..native_form import NoNativeForm, no_form_reason
+        from ..core.native_form import NoNativeForm, no_form_reason
 
         raise NoNativeForm(no_form_reason(spec.method, self.title))
 
     def restore_exported(self, model: nn.Module, tensors: dict[str, Any], spec: PatchSpec) -> None:
         """A natively exported checkpoint whose weights the native form replaced, loaded as saved: put the original
         tensors (saved beside the weights) back and the original length in the config."""
-        from ..errors import PatchError
+        from ..core.errors import PatchError
 
         raise PatchError(f"{self.title} has no natively exported weights to restore")
 
@@ -178,7 +178,7 @@ class ModuleFunctionUser:
         return other
 
     def __reduce_ex__(self, protocol):  # process-wide state, held by a live patch: a pickle cannot carry it
-        from ..active import pickle_refusal
+        from ..core.active import pickle_refusal
 
         raise pickle_refusal()
 

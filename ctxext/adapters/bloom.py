@@ -46,7 +46,7 @@ from torch import nn
 
 from ..methods import alibi
 from ..methods.remap import REMAP_METHODS
-from ..spec import PatchSpec
+from ..core.spec import PatchSpec
 from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, run_all
 
 #: The sequence length all BLOOM checkpoints were trained with.

@@ -30,7 +30,7 @@ from torch import nn
 from ..attention import require_attention, use_attention
 from ..methods import positions
 from ..methods.remap import REMAP_METHODS
-from ..spec import PatchSpec
+from ..core.spec import PatchSpec
 from .base import Adapter, Restore, run_all
 from .trainable_table import freeze_unused_weights, make_tables_trainable
 
@@ -133,7 +133,7 @@ class GPT2Adapter(Adapter):
         """Trained tables become plain embeddings of their size, that length is advertised and the patch record
         dropped: the saved model is an ordinary checkpoint with a longer table (re-applying the patch on load
         would interpolate the trained table a second time)."""
-        from ..spec import CONFIG_KEY
+        from ..core.spec import CONFIG_KEY
 
         baked = False
         for parent in list(model.modules()):
@@ -178,7 +178,7 @@ def native_form(model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
     """``pi`` / ``extrapolate`` have an exact plain-GPT-2 form: ``wpe`` holding the method's table (``n_positions``
     rows, the patched length, already advertised) for inputs up to that length. The original table is kept beside
     the weights so ``ctxext.from_pretrained`` can re-apply the patch and ``unpatch`` restore it."""
-    from ..native_form import NativeForm, NoNativeForm
+    from ..core.native_form import NativeForm, NoNativeForm
 
     owner = position_owner(model)
     wpe = getattr(owner, "wpe", None)
@@ -214,7 +214,7 @@ def restore_exported(model: nn.Module, tensors: dict[str, torch.Tensor], spec: P
                      length_attr: str = "n_positions") -> None:
     """A GPT-2 exported natively and loaded as saved (``wpe`` = the patched table): the original table back (from
     ``tensors``, as :func:`native_form` saved it) and the original length in the config (``length_attr``)."""
-    from ..errors import PatchError
+    from ..core.errors import PatchError
 
     config = model.config
     owner = position_owner(model)

@@ -15,7 +15,7 @@ import functools
 import torch
 from torch import nn
 
-from ..spec import PatchSpec
+from ..core.spec import PatchSpec
 from .base import Restore, run_all
 from .gpt2 import GPT2Adapter, position_owner
 

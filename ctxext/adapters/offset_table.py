@@ -31,7 +31,7 @@ from torch import nn
 from ..attention import require_attention, use_attention
 from ..methods import positions
 from ..methods.remap import REMAP_METHODS
-from ..spec import PatchSpec
+from ..core.spec import PatchSpec
 from .base import Adapter, Restore, run_all
 from .trainable_table import freeze_unused_weights, make_tables_trainable
 
@@ -154,7 +154,7 @@ class OffsetTableAdapter(Adapter):
     def bake_trained(self, model: nn.Module) -> bool:
         """Trained tables become the model's own (the original module, its weight = the trained table), the
         patched length is advertised and the patch record dropped: an ordinary checkpoint with a longer table."""
-        from ..spec import CONFIG_KEY
+        from ..core.spec import CONFIG_KEY
 
         baked = False
         for owner, table in tables(model):
@@ -175,7 +175,7 @@ class OffsetTableAdapter(Adapter):
         """``pi`` / ``extrapolate``: ``embed_positions`` saved as the method's table (offset rows first) with
         ``max_position_embeddings`` the patched length: what the model class builds from that config. The original
         tables are kept beside the weights so ``ctxext.from_pretrained`` can re-apply the patch."""
-        from ..native_form import NativeForm, NoNativeForm
+        from ..core.native_form import NativeForm, NoNativeForm
 
         summary = f"embed_positions resized to {spec.patched_length} positions ({spec.method})"
         if check_only and spec.method in TABLE_METHODS:
@@ -207,7 +207,7 @@ class OffsetTableAdapter(Adapter):
     def restore_exported(self, model: nn.Module, tensors: dict[str, torch.Tensor], spec: PatchSpec) -> None:
         """A natively exported model loaded as saved (tables = the patched ones): the original tables back from
         ``tensors`` and the original length in the config."""
-        from ..errors import PatchError
+        from ..core.errors import PatchError
 
         names = {module: name for name, module in model.named_modules()}
         found = tables(model)

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..active import pickle_refusal
+from ..core.active import pickle_refusal
 from ..attention import can_use_attention, use_attention
-from ..errors import PatchError
+from ..core.errors import PatchError
 from ..methods.remap import REMAP_METHODS, PositionMap, build_map, identity_map, target_length
 from ..attention.remap import PROBE, PROBE_ATTR, REMAP, STATE_ATTR, RemapState
 from .base import Restore, run_all

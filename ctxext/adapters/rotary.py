@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from ..attention import require_attention, use_attention
-from ..errors import PatchError
+from ..core.errors import PatchError
 from ..methods import nope, rope
 from ..methods.remap import REMAP_METHODS
-from ..spec import PatchSpec
+from ..core.spec import PatchSpec
 from .base import WRAPPED_NAMES, Adapter, Restore, run_all
 from .rotary_units import RotaryUnit, _unit_saver, rotary_units, unit_inputs, unread_surface
 

@@ -10,7 +10,7 @@ import contextlib
 import torch
 from torch import nn
 
-from ..errors import PatchError
+from ..core.errors import PatchError
 from ..methods import rope
 from ..methods.remap import REMAP_METHODS
 from .base import Restore

@@ -24,10 +24,10 @@ import inspect
 import torch
 from torch import nn
 
-from ..errors import PatchError
+from ..core.errors import PatchError
 from ..methods import rope
 from ..methods.remap import REMAP_METHODS
-from ..spec import PatchSpec
+from ..core.spec import PatchSpec
 from .base import Adapter, Restore, run_all
 from .gpt2 import _keep_n_ctx_in_step
 from .rotary import STATIC_METHODS  # the same frequency rules as rotary modules
@@ -150,7 +150,7 @@ def _put_back(module: nn.Module, original: torch.Tensor) -> None:
 def native_form(model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
     """Only ``extrapolate`` has a native form: the longer ``n_positions`` alone (already advertised), from which a
     plain load builds exactly the patched table. Verified against the modeling module's own table function."""
-    from ..native_form import NativeForm, NoNativeForm
+    from ..core.native_form import NativeForm, NoNativeForm
 
     if spec.method != "extrapolate":
         raise NoNativeForm(

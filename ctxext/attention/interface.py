@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..errors import PatchError
+from ..core.errors import PatchError
 from .alibi import ALIBI, alibi_attention_forward
 from .features import _configs, attention_features
 

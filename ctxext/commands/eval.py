@@ -183,7 +183,7 @@ def run_eval(args) -> int:
     with contextlib.ExitStack() as stack:
         if state.is_main_process:  # one writer per output, from before the first model loads to the last write
             from ..evaluation.results import check_output
-            from ..outputs import OutputLock
+            from ..core.outputs import OutputLock
 
             stack.enter_context(OutputLock(output, "--output"))
             check_output(output, resume=args.resume, overwrite=args.overwrite)  # again: another run may have ended
@@ -308,7 +308,7 @@ def _prepare(args, demo: bool):
     if heatmap and heatmap != _derived_heatmap(plot):
         _check_plot(heatmap, data=args.data, flag="--heatmap")
     if not demo:
-        from ..sources import check_source
+        from ..data.sources import check_source
 
         check_source(args.model, gguf_file=args.gguf_file, what="--model")
         if args.evaluator:
@@ -350,11 +350,11 @@ def _check_fit(args, jobs, lengths) -> None:
     model, or a derived factor past the cap, is refused before anything loads. In the demo, a method that fits
     some reference models runs on those and is reported for the others."""
     from ..adapters import find_adapter
-    from ..errors import PatchError
+    from ..core.errors import PatchError
     from ..evaluation.preflight import unfit_requests
     from ..evaluation.requests import NONE, parse_methods, parse_factor
     from ..evaluation.runner import default_factor, default_lengths
-    from ..registry import METHODS
+    from ..methods.registry import METHODS
 
     unfit: dict[str, list[str]] = {}
     for job in jobs:

@@ -58,7 +58,7 @@ def _options(method: str, pairs: list[str] | None) -> dict[str, str]:
 
 def _check_out(out: Path, source: str, overwrite: bool) -> None:
     from ..export import is_export_folder
-    from ..outputs import check_replaceable_folder
+    from ..core.outputs import check_replaceable_folder
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder")
@@ -75,12 +75,12 @@ def prepare(args):
     """Every check, on the model's skeleton: returns (source, method, factor, options, dtype). Loads no weights,
     writes nothing."""
     from ..api import build_spec, patch
-    from ..errors import PatchError
+    from ..core.errors import PatchError
     from ..evaluation.device import resolve_dtype
     from ..export import NoNativeForm, native_form
     from ..loading import model_skeleton
-    from ..registry import resolve_method, validate_factor, validate_options
-    from ..sources import check_source
+    from ..methods.registry import resolve_method, validate_factor, validate_options
+    from ..data.sources import check_source
 
     source = _source(args.model)
     info = resolve_method(args.method)
@@ -127,7 +127,7 @@ def run_export(args) -> int:
     from ..api import patch
     from ..export import export
     from ..loading import from_pretrained
-    from ..outputs import OutputLock
+    from ..core.outputs import OutputLock
 
     source, method, factor, options, dtype = prepare(args)
     with OutputLock(args.out, "--out"):  # one writer, from before the load to the rename

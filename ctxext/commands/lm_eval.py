@@ -1,7 +1,7 @@
 """`ctxext lm-eval ...`: lm-evaluation-harness with the `ctxext` model type registered.
 
 lm-eval 0.4.13 finds models only in its own registry (no plugin entry points), so `lm_eval --model
-ctxext` works only once :mod:`ctxext.lm_eval_model` is imported. This command imports it and hands
+ctxext` works only once :mod:`ctxext.integrations.lm_eval` is imported. This command imports it and hands
 every remaining argument to lm-eval's own command line:
 
     ctxext lm-eval --model ctxext --model_args pretrained=DIR,method=yarn,factor=4 --tasks TASKS
@@ -11,7 +11,7 @@ Bad input is refused before lm-eval loads any model or task (which alone takes f
 `ctxext eval` refuses its own: one ``ctxext lm-eval: error: ...`` line, exit code 2. First the ``--model_args``
 items as written (an item without ``=``, a key given twice: lm-eval would keep the last), then lm-eval's own
 argument parser, then :func:`precheck`: ``--tasks``, ``--include_path``, for ``--model ctxext`` the model_args
-(:func:`ctxext.lm_eval_model.check_model_args`: unknown keys, empty values, dtypes, method, factor, options), the
+(:func:`ctxext.integrations.lm_eval.check_model_args`: unknown keys, empty values, dtypes, method, factor, options), the
 model's source and whether the method fits the model's family (on a weightless skeleton), and last the task names,
 against lm-eval's own task index (no task data loads). Indexing lm-eval's ~14,000 task YAML files takes 15-20 s on a
 2-core machine, so the names are cached per lm-eval installation (:func:`task_names`); the first run's index is
@@ -66,7 +66,7 @@ def run(args) -> int:
         import lm_eval  # noqa: F401
     except ImportError:
         raise OSError("`ctxext lm-eval` needs lm-eval: pip install 'ctxext[eval]'") from None
-    from .. import lm_eval_model  # noqa: F401  registers --model ctxext
+    from ..integrations import lm_eval as _registers_model  # noqa: F401  registers --model ctxext
 
     if argv[0] in ("-h", "--help"):
         print(HELP)
@@ -126,7 +126,7 @@ def check_model_args_tokens(argv: list[str]) -> None:
     several ``--model_args``), before lm-eval's parser merges them (it keeps the last value of a repeated key)."""
     import json
 
-    from ..lm_eval_model import check_model_args_items
+    from ..integrations.lm_eval import check_model_args_items
 
     if argv and argv[0] in ("ls", "validate"):
         return
@@ -152,13 +152,13 @@ def check_model_args_tokens(argv: list[str]) -> None:
 def precheck(parsed) -> None:
     """Refuse bad input to `lm-eval run` before any model or task loads: the settings as lm-eval itself merges
     them (``--config`` YAML, then the command line), ``--tasks`` and ``--include_path``, for ``--model ctxext`` its
-    model_args (see :func:`ctxext.lm_eval_model.check_model_args`), the model's source, and whether the method fits
+    model_args (see :func:`ctxext.integrations.lm_eval.check_model_args`), the model's source, and whether the method fits
     its family; then the task names (:func:`check_tasks`)."""
     import io
     import logging
     from pathlib import Path
 
-    from ..lm_eval_model import check_model_args
+    from ..integrations.lm_eval import check_model_args
 
     if not getattr(parsed, "tasks", None) and not getattr(parsed, "config", None):
         raise ValueError("--tasks is required, e.g. --tasks hellaswag (`ctxext lm-eval ls tasks` lists them)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ..registry import METHODS, format_method_table, method_table
+from ..methods.registry import METHODS, format_method_table, method_table
 
 
 def register(sub) -> None:

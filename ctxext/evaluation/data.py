@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..textfiles import find_files, inner_suffix, read_documents
+from ..data.textfiles import find_files, inner_suffix, read_documents
 
 HINT = "choose one with --text-field"
 _DATASET_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
@@ -42,7 +42,7 @@ def _load_dataset(name: str, split: str, text_field: str) -> list[str]:
         import datasets
     except ImportError:  # pragma: no cover - declared in the eval extra
         raise ImportError("loading a dataset needs `datasets`: pip install 'ctxext[eval]'") from None
-    from ..sources import hub_reachable
+    from ..data.sources import hub_reachable
 
     path = Path(name)
     offline = not path.exists() and not hub_reachable()
@@ -94,7 +94,7 @@ def load_texts(data: str, *, split: str = "test", text_field: str = "text") -> T
     - a ``.jsonl`` file (also ``.jsonl.gz`` / ``.jsonl.xz``): one document per line, from ``text_field``; a
       ``.json`` list of such objects;
     - a text file (``.txt``, ``.txt.gz``, ``.txt.xz`` or any other non-JSON file): one document;
-    - a folder of such files (searched recursively, sorted by path; ``ctxext.textfiles.find_files``, as a recipe's
+    - a folder of such files (searched recursively, sorted by path; ``ctxext.data.textfiles.find_files``, as a recipe's
       data folders are);
     - a folder saved by ``datasets`` (``save_to_disk``) or loadable by ``datasets.load_dataset``, or a hub
       dataset name: the ``text_field`` column of ``split``.

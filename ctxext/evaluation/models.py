@@ -49,7 +49,7 @@ def model_info(model, model_id: str, **extra: Any) -> dict[str, Any]:
     """What the results JSON says about a model."""
     from ..adapters import find_adapter
     from ..api import base_model, describe
-    from ..errors import PatchError
+    from ..core.errors import PatchError
 
     base = base_model(model)
     spec = describe(model)

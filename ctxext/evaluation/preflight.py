@@ -6,7 +6,7 @@ says whether a patch fits the model exactly as it will after loading.
 
 from __future__ import annotations
 
-from ..errors import PatchError
+from ..core.errors import PatchError
 from .requests import NONE, MethodRequest, check_request
 
 

@@ -6,8 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import PatchError
-from ..registry import MAX_FACTOR, METHODS, resolve_method
+from ..core.errors import PatchError
+from ..methods.registry import MAX_FACTOR, METHODS, resolve_method
 
 NONE = "none"
 

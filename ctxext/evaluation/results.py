@@ -138,7 +138,7 @@ def finished_rows(output: str | os.PathLike) -> int:
 def check_file_target(path: str | os.PathLike, flag: str, example: str) -> Path:
     """Raise ValueError unless ``path`` names a file that can be created or replaced (not a directory, not under a
     file, in a writable folder). Touches nothing."""
-    from ..outputs import check_regular_file
+    from ..core.outputs import check_regular_file
 
     target = Path(path)
     if str(path).endswith(("/", os.sep)) or target.is_dir():
@@ -157,7 +157,7 @@ def check_file_target(path: str | os.PathLike, flag: str, example: str) -> Path:
 def check_output(output: str | os.PathLike, *, resume: bool, overwrite: bool, flag: str = "--output") -> None:
     """Raise ValueError if ``output`` cannot take this run's results, or holds a finished run that neither
     ``resume`` nor ``overwrite`` allows replacing. Touches nothing."""
-    from ..outputs import check_regular_file
+    from ..core.outputs import check_regular_file
 
     if resume and overwrite:
         raise ValueError("--resume keeps the finished rows and --overwrite discards them: give one of them")

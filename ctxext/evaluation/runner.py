@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..api import available_methods, describe, patch, unpatch
-from ..errors import PatchError
+from ..core.errors import PatchError
 from .data import Texts, tokenize_texts
 from .models import model_info
 from .passkey import DEFAULT_DEPTHS, passkey_accuracy, passkey_prompt_check

@@ -60,8 +60,8 @@ def _files(path: Path) -> dict[str, int]:
 
 def damage(path: Path) -> tuple[str, str] | None:
     """(file, what is wrong) when the checkpoint folder ``path`` cannot be resumed from, else None. Reads its files
-    (sizes against the list in state.json, then each file's format: ``ctxext.outputs.file_damage``); loads nothing."""
-    from ..outputs import file_damage
+    (sizes against the list in state.json, then each file's format: ``ctxext.core.outputs.file_damage``); loads nothing."""
+    from ..core.outputs import file_damage
 
     path = Path(path)
     why = file_damage(path / STATE)

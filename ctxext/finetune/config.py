@@ -654,7 +654,7 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
     if p.method is not None and p.method.strip().lower() in ("none", ""):
         p.method = None
     if p.method is not None:
-        from ..registry import resolve_method, validate_factor, validate_options
+        from ..methods.registry import resolve_method, validate_factor, validate_options
 
         info = None
         try:
@@ -777,7 +777,7 @@ def _check_pose(recipe: Recipe, err) -> None:
 def check_model_sources(m: ModelConfig, err, hub: bool = False) -> None:
     """model.name / model.tokenizer must be loadable: local folders (or what looks like a path) always, hub ids only
     with ``hub`` (when the run starts), so --check works offline."""
-    from ..sources import _looks_like_path, check_source
+    from ..data.sources import _looks_like_path, check_source
 
     for key, name, gguf in (("model.name", m.name, m.gguf_file), ("model.tokenizer", m.tokenizer, None)):
         if not name or name.startswith(REFERENCE_PREFIX):
@@ -792,7 +792,7 @@ def check_model_sources(m: ModelConfig, err, hub: bool = False) -> None:
 
 def expand_files(paths: list[Path], exclude: list[str]) -> list[Path]:
     """A recipe's data files, found as evaluation finds them (``textfiles.select_files``)."""
-    from ..textfiles import select_files
+    from ..data.textfiles import select_files
 
     try:
         return select_files(paths, exclude, exclude_key="data.exclude")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from .. import textfiles
+from ..data import textfiles
 from .config import DataConfig, RecipeError, expand_files
 
 

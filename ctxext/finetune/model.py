@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import PatchError
+from ..core.errors import PatchError
 from .config import REFERENCE_PREFIX, LoraConfig, ModelConfig, Recipe, RecipeError
 
 

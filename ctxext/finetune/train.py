@@ -71,7 +71,7 @@ class RunLog:
 def check_output(recipe: Recipe) -> None:
     """output.dir can be made and written: probed (a temporary file created and removed in it, or in the nearest
     folder that exists on the way), so a run that could not save fails before any model loads."""
-    from ..outputs import check_writable_folder
+    from ..core.outputs import check_writable_folder
 
     try:
         check_writable_folder(recipe.output.dir, "output.dir")

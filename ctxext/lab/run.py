@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..outputs import check_writable_folder
+from ..core.outputs import check_writable_folder
 from .data import COPY_RANGE, corpus
 from .io import check_not_finished, write_atomic, write_json
 from .model import ModelConfig, build_model

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ..outputs import check_writable_folder
+from ..core.outputs import check_writable_folder
 from .data import corpus, eval_windows
 from .io import check_not_finished, write_atomic, write_json
 from .model import build_model

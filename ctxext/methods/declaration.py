@@ -1,6 +1,6 @@
 """How a method is declared: its name, summary, options (typed, with defaults) and whether it needs a factor.
 
-Kept apart from :mod:`ctxext.registry` so that a method module can declare itself beside its functions (see
+Kept apart from :mod:`ctxext.methods.registry` so that a method module can declare itself beside its functions (see
 ``ctxext.methods.remap``) without importing the registry that collects the declarations.
 """
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ..errors import PatchError
+from ..core.errors import PatchError
 from .declaration import Method, Option
 
 Positions = Callable[[torch.Tensor], torch.Tensor]
@@ -499,7 +499,7 @@ __all__ = [
 ]
 
 
-# -- declarations: one per method (collected by ctxext.registry.METHODS) --------------------------------------------
+# -- declarations: one per method (collected by ctxext.methods.registry.METHODS) --------------------------------------------
 
 _DERIVED = "default: derived from the factor (see ctxext.methods.remap)"
 

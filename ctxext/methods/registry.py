@@ -10,9 +10,9 @@ import math
 import numbers
 from typing import Any
 
-from .errors import PatchError
-from .methods.declaration import Method, Option
-from .methods.remap import REMAP_METHODS
+from ..core.errors import PatchError
+from .declaration import Method, Option
+from .remap import REMAP_METHODS
 
 
 METHODS: dict[str, Method] = {
@@ -185,7 +185,7 @@ def _coerce(method: str, key: str, value: Any, kind: type) -> Any:
 
 def method_table(adapters=None) -> list[dict[str, str]]:
     """One row per method: for each family, 'yes' or why not."""
-    from .adapters import ADAPTERS
+    from ..adapters import ADAPTERS
 
     adapters = ADAPTERS if adapters is None else adapters
     rows = []
@@ -198,7 +198,7 @@ def method_table(adapters=None) -> list[dict[str, str]]:
 
 
 def format_method_table(markdown: bool = False) -> str:
-    from .adapters import ADAPTERS
+    from ..adapters import ADAPTERS
 
     header = ["method"] + [a.title for a in ADAPTERS]
     body = [[r["method"]] + [r[a.family] for a in ADAPTERS] for r in method_table()]
