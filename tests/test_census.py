@@ -118,6 +118,20 @@ def test_structure_that_misleads_is_not_patched_into_silence(required_rows):
                                                "extrapolate": ["falcon-alibi"]}
 
 
+def test_parity_is_asked_of_the_model_not_of_a_family_name():
+    """The census compares with transformers' rope types where the model's positions come from rotary modules that
+    read one: Falcon with ALiBi builds such a module and never applies it; GPT-J's sin-cos table reads none."""
+    from pathlib import Path
+
+    from ctxext.census.parity import honours_rope_type
+
+    assert honours_rope_type(census.build_tiny("llama"))
+    assert not honours_rope_type(census.build_tiny("falcon", {"alibi": True}))
+    assert not honours_rope_type(census.build_tiny("gptj")) and not honours_rope_type(census.build_tiny("gpt2"))
+    sources = "".join(p.read_text() for p in Path(census.__file__).parent.glob("*.py"))
+    assert "family ==" not in sources
+
+
 def test_a_rotary_module_that_ignores_its_buffers_is_refused():
     """Some rotary modules recompute their frequencies from the config in every forward (Phimoe in 5.x): a patch of
     the buffers would change nothing, so it is refused, before anything is touched."""
