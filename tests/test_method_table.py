@@ -48,3 +48,89 @@ def test_readme_shows_the_registry_table():
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert format_method_table(markdown=True) in readme, "README's method table is stale: paste `ctxext methods --markdown`"
+
+
+# -- the text views fit a terminal (issue 26) ------------------------------------------------------------------------
+
+
+def _methods(capsys, *argv: str) -> str:
+    from ctxext.cli import main
+
+    assert main(["methods", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def _families() -> list[str]:
+    from ctxext.adapters import ADAPTERS
+
+    return [a.family for a in ADAPTERS]
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def test_default_output_is_a_yes_no_matrix_that_fits_120_columns(capsys):
+    out = _methods(capsys)
+    lines = out.splitlines()
+    assert max(len(line) for line in lines) <= 120
+    assert lines[0].split() == ["method", *_families()]
+    matrix = {line.split()[0]: line.split()[1:] for line in lines[2 : 2 + len(METHODS)]}
+    assert list(matrix) == list(METHODS)
+    for row in method_table():  # a cell that says why not ("error: ...") is a no, every other a yes
+        assert matrix[row["method"]] == ["no" if row[f].startswith("error") else "yes" for f in _families()], row
+    for m in METHODS.values():  # the summaries follow, wrapped, words intact
+        assert _flat(m.summary) in _flat(out)
+    assert "--why" in out and "--family" in out
+
+
+def test_why_shows_every_cell_in_full_within_120_columns(capsys):
+    out = _methods(capsys, "--why")
+    assert max(len(line) for line in out.splitlines()) <= 120
+    blocks = out.strip().split("\n\n")
+    assert [b.split(":")[0] for b in blocks] == _families()
+    for family, block in zip(_families(), blocks):
+        for row in method_table():
+            assert _flat(f"{row['method']} {row[family]}") in _flat(block), (family, row["method"])
+
+
+def test_family_shows_that_familys_cells(capsys):
+    rows = method_table()
+    for family in _families():
+        out = _methods(capsys, "--family", family.upper())
+        assert out.splitlines()[0].startswith(f"{family}: ")
+        assert len(out.splitlines()) == 1 + len(rows)
+        for row in rows:
+            assert _flat(f"{row['method']} {row[family]}") in _flat(out), (family, row["method"])
+    assert "error: not rotary" in _methods(capsys, "--family", "gpt2")
+
+
+def test_long_cells_are_wrapped_not_cut(capsys, monkeypatch):
+    from ctxext.adapters import ADAPTERS
+
+    long = "yes: " + " ".join(f"word{i}" for i in range(60))
+    monkeypatch.setitem(ADAPTERS[0].methods, "pi", long)
+    for argv in (["--why"], ["--family", ADAPTERS[0].family]):
+        out = _methods(capsys, *argv)
+        assert max(len(line) for line in out.splitlines()) <= 120
+        assert _flat(f"pi {long}") in _flat(out)
+
+
+def test_unknown_family_and_mixed_views_are_one_line_errors(capsys):
+    from ctxext.cli import main
+
+    assert main(["methods", "--family", "no-such-family"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "unknown family 'no-such-family'" in err and "rotary" in err
+    for argv in (["--why", "--markdown"], ["--family", "rotary", "--json"], ["--why", "--census"]):
+        assert main(["methods", *argv]) == 2
+        assert "leave out" in capsys.readouterr().err
+
+
+def test_markdown_and_json_are_unchanged(capsys):
+    assert _methods(capsys, "--markdown") == format_method_table(markdown=True) + "\n"
+    import json
+
+    rows = json.loads(_methods(capsys, "--json"))
+    assert [r["method"] for r in rows] == list(METHODS)
+    assert all(r[f] == t[f] for r, t in zip(rows, method_table()) for f in _families())
