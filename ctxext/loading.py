@@ -8,6 +8,7 @@ from typing import Any
 from torch import nn
 
 from .api import patch, take_saved_spec
+from .compat import transformers as hf_compat
 from .core.errors import PatchError
 from .data.sources import check_source
 from .core.spec import CONFIG_KEY, TENSORS_KEY, PatchSpec, is_native, unmark_config_dict
@@ -139,7 +140,7 @@ def model_skeleton(pretrained: str, *, attn_implementation: str | None = None, *
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise OSError(f"cannot read the config of {pretrained!r}: {first}") from exc
     if attn_implementation:
-        config._attn_implementation = attn_implementation
+        hf_compat.set_attn_implementation(config, attn_implementation)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, trust_remote_code=bool(kwargs.get("trust_remote_code")))
     take_saved_spec(model)

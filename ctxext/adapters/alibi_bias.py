@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..compat import transformers as hf_compat
 from ..methods.remap import REMAP_METHODS
 from ..core.spec import PatchSpec
 from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, run_all
@@ -39,8 +40,8 @@ from .bloom import _active_transform, _hooks
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 
-FALCON_FUNCTION = "build_alibi_tensor"
-MPT_METHOD = "build_mpt_alibi_tensor"
+FALCON_FUNCTION = hf_compat.ALIBI_TENSOR_BUILDER
+MPT_METHOD = hf_compat.MPT_ALIBI_TENSOR_BUILDER
 
 NOT_ROTARY = {m: "not rotary (ALiBi biases)" for m in ("ntk", "dynamic-ntk", "yarn", "llama3", *REMAP_METHODS)}
 
@@ -73,7 +74,7 @@ class _AlibiBiasAdapter(Adapter):
 
 def mpt_owner(model: nn.Module) -> nn.Module | None:
     for module in model.modules():
-        if callable(getattr(module, MPT_METHOD, None)):
+        if hf_compat.mpt_alibi_tensor_builder(module) is not None:
             return module
     return None
 
@@ -91,8 +92,7 @@ class MptAdapter(_AlibiBiasAdapter):
         if transform is None:
             return lambda: None
         owner = mpt_owner(model)
-        setattr(owner, MPT_METHOD, _Transformed(getattr(owner, MPT_METHOD), transform))
-        return lambda: owner.__dict__.pop(MPT_METHOD, None)
+        return hf_compat.wrap_instance_builder(owner, MPT_METHOD, lambda original: _Transformed(original, transform))
 
 
 class _Transformed:
@@ -137,7 +137,7 @@ def falcon_alibi_owner(model: nn.Module) -> tuple[nn.Module, object] | None:
     for module in model.modules():
         if getattr(module, "use_alibi", None) is True:
             modeling = sys.modules.get(type(module).__module__)
-            if callable(getattr(modeling, FALCON_FUNCTION, None)):
+            if hf_compat.alibi_tensor_builder(modeling) is not None:
                 return module, modeling
     return None
 

@@ -44,6 +44,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..compat import transformers as hf_compat
 from ..methods import alibi
 from ..methods.remap import REMAP_METHODS
 from ..core.spec import PatchSpec
@@ -51,7 +52,7 @@ from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, run_
 
 #: The sequence length all BLOOM checkpoints were trained with.
 BLOOM_TRAINING_LENGTH = 2048
-SLOPE_FUNCTION = "_get_alibi_slopes"
+SLOPE_FUNCTION = hf_compat.BLOOM_SLOPE_FUNCTION
 
 SlopeTransform = Callable[[torch.Tensor], torch.Tensor]
 
@@ -94,9 +95,9 @@ def alibi_owner(model: nn.Module) -> tuple[nn.Module, object | None] | None:
     """The module that builds the ALiBi tensor (BloomModel) and the modeling module holding its slope function
     (None where that module has no slope function: then the owner's ``build_alibi_tensor`` is the hook point)."""
     for module in model.modules():
-        if callable(getattr(module, "build_alibi_tensor", None)):
+        if hf_compat.alibi_tensor_builder(module) is not None:
             modeling = sys.modules.get(type(module).__module__)
-            return module, (modeling if callable(getattr(modeling, SLOPE_FUNCTION, None)) else None)
+            return module, (modeling if hf_compat.bloom_slope_function(modeling) is not None else None)
     return None
 
 
@@ -125,8 +126,8 @@ def _wrap_build_alibi_tensor(owner: nn.Module, transform: SlopeTransform) -> Res
     BLOOM's tensor is ``slopes[h] * position`` (float32, then cast), shape (batch * heads, 1, keys). The wrapper
     takes the float32 tensor from the original, divides by the original slopes and rounds to get the (integer)
     positions back exactly, and multiplies them by the transformed slopes."""
-    owner.build_alibi_tensor = _SlopesFromPositions(owner.build_alibi_tensor, transform)
-    return lambda: owner.__dict__.pop("build_alibi_tensor", None)
+    return hf_compat.wrap_instance_builder(owner, hf_compat.ALIBI_TENSOR_BUILDER,
+                                           lambda original: _SlopesFromPositions(original, transform))
 
 
 class _TransformScope:

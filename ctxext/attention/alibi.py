@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compat import transformers as hf_compat
 from ..methods.alibi import alibi_slopes
 from .features import dropped_features
 from .flex_paths import flex_alibi, use_flex
@@ -101,9 +102,7 @@ def alibi_attention_forward(
         causal = is_causal if is_causal is not None else True
     if not causal:
         # cross-attention / bidirectional layers have no relative positions to bias: plain sdpa
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(
+        return hf_compat.sdpa_attention()(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=False, **kwargs
         )
 

@@ -41,6 +41,8 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
+from ..compat.torch import raise_recompile_limit
+
 #: Block size of the block masks (flex's default). Key copies are padded to a multiple of it.
 BLOCK = 128
 #: ``torch.compile`` options for flex_attention and create_block_mask on CUDA. ``dynamic=None`` (automatic dynamic):
@@ -119,12 +121,7 @@ def _compile_target(device: torch.device) -> bool:
 def _raise_recompile_limit() -> None:
     if RECOMPILE_LIMIT is None:
         return
-    import torch._dynamo.config as dynamo_config
-
-    for name in ("recompile_limit", "cache_size_limit"):
-        if isinstance(getattr(dynamo_config, name, None), int) and getattr(dynamo_config, name) < RECOMPILE_LIMIT:
-            setattr(dynamo_config, name, RECOMPILE_LIMIT)
-            break
+    raise_recompile_limit(RECOMPILE_LIMIT)
 
 
 def _flex_fn(device: torch.device):

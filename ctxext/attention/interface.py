@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..compat import transformers as hf_compat
 from ..core.errors import PatchError
 from .alibi import ALIBI, alibi_attention_forward
 from .features import _configs, attention_features
@@ -38,10 +39,10 @@ def can_use_attention(model: nn.Module) -> str | None:
     """None if ``model`` dispatches its attention through ``AttentionInterface``; otherwise why not."""
     if MISSING_HOOK:
         return MISSING_HOOK
-    can_set = getattr(type(model), "_can_set_attn_implementation", None)
-    if can_set is None or not callable(getattr(model, "set_attn_implementation", None)):
+    can_set = hf_compat.can_set_attn_implementation(model)
+    if can_set is None:
         return f"{type(model).__name__} is not a transformers model with a settable attention implementation"
-    if not can_set():
+    if not can_set:
         return (
             f"{type(model).__name__} does not dispatch attention through transformers' AttentionInterface, "
             "so a bias cannot be added without copying its modeling code"
@@ -68,15 +69,15 @@ def use_attention(model: nn.Module, name: str = ALIBI):
         reason = can_use_attention(model)
         if reason:
             raise PatchError(f"cannot use attention {name!r}: {reason}")
-    before = [(config, config._attn_implementation_internal) for config in _configs(model)]
+    before = [(config, hf_compat.stored_attn_implementation(config)) for config in _configs(model)]
 
     def restore():
         for config, value in before:
-            config._attn_implementation_internal = value
+            hf_compat.restore_attn_implementation(config, value)
 
     try:
         model.set_attn_implementation(name)
-        if model.config._attn_implementation != name:
+        if hf_compat.attn_implementation(model.config) != name:
             raise PatchError(f"{type(model).__name__} refused attention implementation {name!r}")
     except BaseException:
         restore()

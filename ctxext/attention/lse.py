@@ -23,7 +23,7 @@ log-sum-exp 0 for a row whose keys are all masked, so such rows of a masked call
 The kernel takes grouped-query attention natively (key/value heads dividing the query heads, query head h reading
 key head ``h // (heads / kv_heads)``, as transformers' ``repeat_kv`` pairs them), so keys are never expanded. Its
 log-sum-exp output carries no gradient: callers use this without autograd only (``remap_attention_forward``
-checks). The op is private: ``available()`` allows it only on torch versions it was tested on (``TESTED_TORCH``).
+checks). The op is private: ``available()`` allows it only on the torch versions ``ctxext.compat.torch`` pins.
 Measured on CPU: ``benchmarks/bench_remap.py`` (see the report of issue 23).
 """
 
@@ -31,8 +31,9 @@ from __future__ import annotations
 
 import torch
 
-#: torch versions (major.minor) whose private CPU flash op this module was tested against
-TESTED_TORCH = ("2.13",)
+from ..compat.torch import cpu_flash_attention, cpu_flash_attention_tested
+from ..compat.torch import CPU_FLASH_TESTED as TESTED_TORCH  # the pin lives with the op
+
 #: most query rows per block
 BLOCK = 1024
 #: fewest query rows per block of a band (a band's blocks are about as wide as the band)
@@ -44,13 +45,12 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _op():
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    return cpu_flash_attention()
 
 
 def available() -> bool:
     """The private op exists and this torch version is one it was tested on."""
-    version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    return version in TESTED_TORCH and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu")
+    return cpu_flash_attention_tested()
 
 
 def split_attention(queries, keys, value: torch.Tensor, near_start: torch.Tensor, far_keys: int | None,

@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..compat import transformers as hf_compat
 from ..methods.remap import PositionMap
 from .features import dropped_features
 from .flex_paths import flex_remap, use_flex
@@ -179,8 +180,6 @@ def remap_attention_forward(
     keys, kv_heads dividing heads. attention_mask: None, a boolean (batch or 1, 1, q_len, kv_len) mask (True =
     attend) or an additive float mask. Returns (batch, q_len, heads, head_dim) and no attention weights.
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     state: RemapState | None = getattr(module, STATE_ATTR, None)
     if state is None:
         raise RuntimeError(
@@ -226,7 +225,7 @@ def remap_attention_forward(
         first_key = kpos.gather(1, first[:, None])[:, 0]
     farthest = int((qpos.amax(-1) - first_key).amax()) if q_len else 0
     if not eager_only and (farthest < pmap.near or (q_len and int(qpos.amax()) < pmap.plain_below)):
-        return sdpa_attention_forward(
+        return hf_compat.sdpa_attention()(
             module,
             rotate(query, qpos, inv_freq, att, state.layout, state.start),
             rotate(key, kpos, inv_freq, att, state.layout, state.start),
@@ -437,11 +436,9 @@ _SDPA = None
 def _register() -> None:
     global _SDPA
     from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    _SDPA = sdpa_attention_forward
+    _SDPA = hf_compat.sdpa_attention()
     AttentionInterface.register(REMAP, remap_attention_forward)
     AttentionMaskInterface.register(REMAP, sdpa_mask)
     AttentionInterface.register(PROBE, probe_attention_forward)

@@ -26,6 +26,8 @@ import contextlib
 import os
 import sys
 
+from ..compat import lm_eval as lm_eval_compat
+
 
 def register(sub) -> None:
     p = sub.add_parser(
@@ -85,7 +87,7 @@ def run(args) -> int:
 
 def _lm_eval_main() -> None:
     try:  # lm-eval >= 0.4.9: subcommands (run / ls / validate); `run` is inserted when none is given
-        from lm_eval._cli import HarnessCLI
+        HarnessCLI = lm_eval_compat.harness_cli()
         from lm_eval.utils import setup_logging
     except ImportError:  # older lm-eval: one flat command
         from lm_eval.__main__ import cli_evaluate
@@ -130,11 +132,7 @@ def check_model_args_tokens(argv: list[str]) -> None:
 
     if argv and argv[0] in ("ls", "validate"):
         return
-    try:
-        from lm_eval._cli.utils import split_top_level  # how lm-eval splits key=value,key=value
-    except ImportError:  # pragma: no cover - older lm-eval
-        def split_top_level(text):
-            return text.split(",")
+    split_top_level = lm_eval_compat.model_args_splitter()  # how lm-eval splits key=value,key=value
     items: list[str] = []
     for token in _model_args_tokens(argv):
         if token.lstrip().startswith("{"):  # JSON: lm-eval parses it (and reports bad JSON) itself
@@ -323,7 +321,7 @@ def index_built_once():
     uses, instead of a second 15-20 s. Folders are merged as lm-eval merges them (later ones override, with its
     warning). Outside the block, and with an lm-eval that has no ``TaskIndex.build``, nothing changes."""
     try:
-        from lm_eval.tasks._index import TaskIndex, log
+        TaskIndex, log = lm_eval_compat.task_index()
     except ImportError:  # pragma: no cover - older lm-eval
         yield
         return

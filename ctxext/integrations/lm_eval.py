@@ -38,6 +38,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from ..api import describe, patch, unpatch
+from ..compat import lm_eval as lm_eval_compat
 from ..core.errors import PatchError
 from ..loading import from_pretrained, load_adapter
 from ..methods.registry import METHODS, resolve_method, validate_factor, validate_options
@@ -294,6 +295,9 @@ class _CtxextAutoModel:
         return from_pretrained(pretrained, **kwargs)
 
 
+lm_eval_compat.check_hflm_hooks(HFLM)  # the two private methods CtxextLM overrides
+
+
 @register_model("ctxext")
 class CtxextLM(HFLM):
     @classmethod
@@ -321,9 +325,10 @@ class CtxextLM(HFLM):
             # lm-eval passes its --device default (cuda:0) even on machines without CUDA
             device = "cuda" if torch.cuda.is_available() else "cpu"
         super().__init__(pretrained=pretrained, device=device, **kwargs)
-        model = self._model
+        model = lm_eval_compat.loaded_model(self)
         if adapter is not None:
-            self._model = model = load_adapter(model, str(adapter))
+            model = load_adapter(model, str(adapter))
+            lm_eval_compat.replace_model(self, model)
         if method is not None:  # method=none: the unpatched model, even from a folder saved patched
             if describe(model) is not None:
                 unpatch(model)
@@ -339,8 +344,9 @@ class CtxextLM(HFLM):
                                        gguf_file=gguf_file, subfolder=subfolder, **kw)
         from ..loading import load_config
 
-        self._config = load_config(pretrained, revision=revision, trust_remote_code=trust_remote_code,
-                                   gguf_file=gguf_file, subfolder=subfolder)
+        config = load_config(pretrained, revision=revision, trust_remote_code=trust_remote_code, gguf_file=gguf_file,
+                             subfolder=subfolder)
+        lm_eval_compat.set_config(self, config)
 
     def _create_model(self, pretrained, *args, **kwargs):
         if not isinstance(pretrained, str) or self.AUTO_MODEL_CLASS is not transformers.AutoModelForCausalLM:
@@ -353,9 +359,9 @@ class CtxextLM(HFLM):
 
     @property
     def max_length(self) -> int:
-        if self._max_length:
-            return self._max_length
-        spec = describe(self._model)
+        if lm_eval_compat.max_length_argument(self):
+            return lm_eval_compat.max_length_argument(self)
+        spec = describe(lm_eval_compat.loaded_model(self))
         if spec and spec.get("patched_length"):
             return int(spec["patched_length"])
         return super().max_length
