@@ -38,3 +38,8 @@ def adapter_for(model: nn.Module) -> Adapter:
     get_base = getattr(model, "get_base_model", None)
     plain = get_base() if callable(get_base) else model
     return next((a for a in ADAPTERS if a.detect(plain)), Adapter())
+
+
+def config_length(config, attrs=("max_position_embeddings", "n_positions", "seq_length", "n_ctx")) -> int | None:
+    """The context length a config advertises, from the first of ``attrs`` it sets: for a model no adapter claims."""
+    return next((getattr(config, a) for a in attrs if getattr(config, a, None)), None)

@@ -27,9 +27,10 @@ def reference_texts() -> Texts:
     return Texts([ref.reference_text()], {"data": "ctxext reference held-out book (Jane Austen, Emma)", "format": "bundled", "documents": 1})
 
 
-def demo_jobs(texts: Texts | None = None, *, methods: str | None = None, factor: float | None = None,
-              options: list[str] | None = None, dtype: str | None = None, device: str = "cpu") -> list[ModelJob]:
-    """One job per reference model (LLaMA / GPT-2 / BLOOM families), each with every method that fits it."""
+def demo_jobs(texts: Texts | None = None, *, factor: float | None = None, dtype: str | None = None,
+              device: str = "cpu") -> list[ModelJob]:
+    """One job per reference model (LLaMA / GPT-2 / BLOOM families); without ``factor``, each at the factor of
+    its longest default length."""
     ref = _reference()
     texts = texts or reference_texts()
 
@@ -53,7 +54,6 @@ def demo_jobs(texts: Texts | None = None, *, methods: str | None = None, factor:
         jobs.append(ModelJob(
             label=name, load_tokenizer=lambda name=name: ref.reference_tokenizer(name), load_model=loader(name),
             load_skeleton=lambda name=name: model_skeleton(str(ref.reference_path(name))),
-            texts=texts, methods=methods, factor=factor if factor is not None else float(max(DEFAULT_MULTIPLES)),
-            options=options, info=info,
+            texts=texts, factor=factor if factor is not None else float(max(DEFAULT_MULTIPLES)), info=info,
         ))
     return jobs

@@ -4,9 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-#: Config attributes that advertise a context length, for models no adapter knows.
-LENGTH_ATTRS = ("max_position_embeddings", "n_positions", "seq_length", "n_ctx")
-
 from .device import move_model, placement_kwargs, resolve_dtype
 
 
@@ -47,7 +44,7 @@ def load_model(
 
 def model_info(model, model_id: str, **extra: Any) -> dict[str, Any]:
     """What the results JSON says about a model."""
-    from ..adapters import find_adapter
+    from ..adapters import config_length, find_adapter
     from ..api import base_model, describe
     from ..core.errors import PatchError
 
@@ -57,8 +54,7 @@ def model_info(model, model_id: str, **extra: Any) -> dict[str, Any]:
         adapter = find_adapter(base)
         family, original = adapter.family, adapter.original_length(base)
     except PatchError:  # no adapter: only the unpatched model can be evaluated
-        family = None
-        original = next((getattr(base.config, a) for a in LENGTH_ATTRS if getattr(base.config, a, None)), None)
+        family, original = None, config_length(base.config)
     if spec:
         original = spec["original_length"]
     params = sum(p.numel() for p in base.parameters())

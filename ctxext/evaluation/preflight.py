@@ -6,8 +6,10 @@ says whether a patch fits the model exactly as it will after loading.
 
 from __future__ import annotations
 
+from ..adapters import find_adapter
 from ..core.errors import PatchError
-from .requests import NONE, MethodRequest, check_request
+from .requests import NONE, MethodChoice, MethodRequest, check_request, parse_factor, takes_factor
+from .runner import ModelJob, default_factor, default_lengths
 
 
 def unfit_requests(skeleton, requests: list[MethodRequest], *, default_factor: float | None) -> list[str]:
@@ -24,3 +26,39 @@ def unfit_requests(skeleton, requests: list[MethodRequest], *, default_factor: f
         except PatchError as exc:
             problems.append(str(exc))
     return problems
+
+
+def check_fit(jobs: list[ModelJob], methods: MethodChoice, lengths: list[int] | None) -> None:
+    """Methods x factors x model family, on each model's skeleton: a requested method that fits no model, or a
+    derived factor past the cap, is refused before anything loads. Where several models run (the demo), a method
+    that fits some of them runs on those and is reported for the others. ``lengths`` None: each model's default."""
+    unfit: dict[str, list[str]] = {}
+    for job in jobs:
+        if job.load_skeleton is None:
+            continue
+        try:
+            skeleton = job.load_skeleton()
+        except (OSError, ValueError):
+            if len(jobs) == 1:
+                raise
+            continue  # the runner reports this model and runs the others
+        try:
+            adapter = find_adapter(skeleton)
+        except PatchError as exc:
+            if methods.patches:
+                raise PatchError(f"{job.label}: {exc}") from None
+            continue  # unpatched only: fine for any model
+        original = adapter.original_length(skeleton)
+        requests = methods.for_model(skeleton, job.factor)  # the default set: every method that fits
+        factor = job.factor
+        if factor is None and original and any(r.factor is None and takes_factor(r.method)
+                                               for r in requests if r.method != NONE):
+            job_lengths = lengths or default_lengths(original)
+            factor = default_factor(job_lengths, original)
+            parse_factor(factor, f"{job.label}: the default factor (longest length {max(job_lengths)} / the "
+                         f"model's original length {original})")
+        if methods.given is not None:  # the default set keeps only what fits (the runner notes the rest)
+            for problem in unfit_requests(skeleton, requests, default_factor=factor):
+                unfit.setdefault(job.label, []).append(problem)
+    if unfit and (len(jobs) == 1 or len(unfit) == len(jobs)):
+        raise PatchError("; ".join(f"{label}: {p}" for label, problems in unfit.items() for p in problems))

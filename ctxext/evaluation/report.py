@@ -1,9 +1,13 @@
-"""Console tables and the perplexity-vs-length plot, from result rows."""
+"""What a run shows and leaves, from its result rows: the console tables, the pictures (perplexity vs length,
+needle accuracy by depth x length) and the final results document."""
 
 from __future__ import annotations
 
+import os
+import platform
+import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 
 def _fmt(value: Any, kind: str) -> str:
@@ -244,3 +248,74 @@ def needle_heatmap(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, An
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+# -- the files a finished run leaves ----------------------------------------------------------------------------
+def machine(device: str) -> dict[str, Any]:
+    """Where the run ran (recorded, not compared: a resumed run may finish elsewhere)."""
+    import torch
+
+    info = {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "cpus": os.cpu_count(), "device": device}
+    if device != "cpu" and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+    return info
+
+
+def results_document(plan, started, state, outcome, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The final results JSON of ``plan`` (an :class:`~.plan.EvalPlan`) after the runner's ``outcome``."""
+    from .. import __version__
+
+    s = plan.settings
+    sliding = s.protocol == "sliding"
+    return {
+        "ctxext_version": __version__,
+        "created": started.isoformat(timespec="seconds"),
+        "command": ["ctxext"] + sys.argv[1:] if sys.argv and "ctxext" in sys.argv[0] else sys.argv,
+        "machine": machine(plan.device),
+        "processes": state.num_processes,
+        "model": outcome.models[0] if len(outcome.models) == 1 else None,
+        "models": outcome.models,
+        "data": plan.texts.info,
+        "protocol": {"name": s.protocol, "stride": s.stride if sliding else None,
+                     "default_stride": "half the length" if sliding and s.stride is None else None,
+                     "max_windows": s.max_windows, "max_tokens": s.max_tokens, "batch_size": s.batch_size,
+                     "last_quarter": "targets in the last quarter of their window"},
+        "passkey": {"depths": list(s.passkey_depths), "trials": s.passkey_trials, "seed": s.seed}
+        if s.passkey else None,
+        "tasks": {"names": s.tasks, "samples": s.task_samples, "depths": list(s.task_depths),
+                  "seed": s.seed, "chat_template": s.chat_template,
+                  "source": "RULER (Hsieh et al. 2024; NVIDIA/RULER), generated offline: ctxext.evaluation.tasks"}
+        if s.tasks else None,
+        "results": rows,
+        "errors": outcome.errors,
+        "interrupted": outcome.interrupted,
+    }
+
+
+def write_pictures(plan, rows: list[dict[str, Any]], models: list[dict[str, Any]],
+                   document: dict[str, Any]) -> Iterator[tuple[str, str]]:
+    """Draw the plan's pictures that the rows have data for, each written whole (a temporary file renamed into
+    place); yields (what, file) after each, so the caller can name it before the next one is drawn."""
+    if plan.plot and any(r.get("kind", "ppl") == "ppl" and r.get("ppl") for r in rows):
+        _replace(plan.plot, lambda tmp: plot(rows, models, tmp, title=plot_title(document)))
+        yield "plot", plan.plot
+    if plan.heatmap and any(r.get("depths") and r.get("kind") not in ("ppl", "passkey") for r in rows):
+        _replace(plan.heatmap, lambda tmp: needle_heatmap(rows, models, tmp))
+        yield "needle heatmap", plan.heatmap
+
+
+def _replace(target: str, draw) -> None:
+    path = Path(target)
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # the suffix tells the format
+    try:
+        draw(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def plot_title(document: dict[str, Any]) -> str:
+    proto = document["protocol"]
+    what = "sliding window" if proto["name"] == "sliding" else "chunks"
+    return f"Perplexity vs context length ({what}) on {document['data'].get('data', 'data')}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.errors import PatchError
@@ -82,7 +82,7 @@ def parse_methods(
         else:
             info = resolve_method(name)
             f = parse_factor(own, item) if own else None
-            if f is None and (info.needs_factor or info.scales_with_factor):
+            if f is None and takes_factor(info.name):
                 f = factor
             opts = {k: v for k, v in by_method.get(None, {}).items() if k in info.options}
             used_global.update(opts)
@@ -98,6 +98,59 @@ def parse_methods(
         if method is not None and method not in {r.method for r in requests}:
             raise ValueError(f"--option for {method!r}, which is not among --methods")
     return requests
+
+
+def takes_factor(method: str) -> bool:
+    """Whether a method gets ``--factor`` (or the factor the evaluator derives) when its request names none."""
+    info = METHODS[method]
+    return info.needs_factor or info.scales_with_factor
+
+
+def with_factor(requests: list[MethodRequest], factor: float | None) -> list[MethodRequest]:
+    """``requests`` with ``factor`` given to each one that takes a factor and names none; a request that then
+    equals an earlier one is dropped (``pi,pi:4 --factor 4`` is one patch)."""
+    out: list[MethodRequest] = []
+    for req in requests:
+        if req.factor is None and req.method != NONE and takes_factor(req.method):
+            req = replace(req, factor=factor)
+        if req not in out:
+            out.append(req)
+    return out
+
+
+@dataclass(frozen=True)
+class MethodChoice:
+    """``--methods``, ``--factor`` and ``--option`` parsed once: the requests as given (the factor left open where
+    each model's own lengths decide it), or ``given=None`` for the default set, every method that fits a model."""
+
+    given: tuple[MethodRequest, ...] | None = None
+    options: tuple[str, ...] = ()
+
+    @classmethod
+    def parse(cls, spec: str | None, *, options: list[str] | None = None) -> MethodChoice:
+        """Raises ValueError (PatchError for a bad option value) on unknown names, bad factors and stray options;
+        without ``spec`` only the form of each option is checked: which methods take it depends on the model."""
+        if not spec:
+            parse_options(options)
+            return cls(None, tuple(options or ()))
+        return cls(tuple(parse_methods(spec, factor=None, options=options)), tuple(options or ()))
+
+    @property
+    def patches(self) -> bool:
+        """Whether a method other than ``none`` was asked for by name."""
+        return self.given is not None and any(r.method != NONE for r in self.given)
+
+    def for_model(self, model, factor: float | None) -> list[MethodRequest]:
+        """The requests for ``model``, ``factor`` filled in where a request takes one and names none."""
+        if self.given is not None:
+            return with_factor(list(self.given), factor)
+        from ..api import available_methods
+
+        try:
+            fits = list(available_methods(model))
+        except PatchError:
+            fits = []
+        return parse_methods(None, factor=factor, options=list(self.options), default=[NONE] + fits)
 
 
 def check_request(model, request: MethodRequest) -> None:

@@ -11,14 +11,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..api import available_methods, describe, patch, unpatch
+from ..api import describe, patch, unpatch
 from ..core.errors import PatchError
 from .data import Texts, tokenize_texts
 from .models import model_info
 from .passkey import DEFAULT_DEPTHS, passkey_accuracy, passkey_prompt_check
 from .keytokens import key_masks, needed_ranges
 from .perplexity import plan_documents, score_documents
-from .requests import NONE, MethodRequest, check_request, parse_methods
+from .requests import NONE, MethodChoice, MethodRequest, check_request
 from .results import ResultStore, row_key
 from .tasks import Encoder, check_length, task_accuracy
 from .tasks import sources as task_sources
@@ -29,6 +29,10 @@ DEFAULT_MULTIPLES = (1, 2, 4, 8)
 
 @dataclass
 class Settings:
+    """What to run on every model (see :mod:`.plan`, which builds them from the command line)."""
+
+    #: The patches (``--methods``, parsed once); the default: every method that fits each model.
+    methods: MethodChoice = field(default_factory=MethodChoice)
     lengths: list[int] | None = None
     protocol: str = "sliding"
     stride: int | None = None
@@ -78,9 +82,8 @@ class ModelJob:
     load_tokenizer: Callable[[], Any]
     load_model: Callable[[Any], Any]  # called with the accelerate state (device placement)
     texts: Texts
-    methods: str | None = None  # the --methods string; None = the default set
+    #: The factor of requests that name none; None: the longest length over the model's original length.
     factor: float | None = None
-    options: list[str] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     #: The model without weights (see :mod:`.preflight`), for checks before anything loads; None: no such checks.
     load_skeleton: Callable[[], Any] | None = None
@@ -136,14 +139,10 @@ class Runner:
 
     def _requests(self, job: ModelJob, model, info: dict[str, Any], lengths: list[int]) -> list[MethodRequest]:
         loaded = info.get("loaded_patch")
-        if job.methods is None and loaded:
+        if self.settings.methods.given is None and loaded:
             return [MethodRequest(loaded["method"], loaded["factor"], dict(loaded.get("options") or {}))]
         factor = job.factor if job.factor is not None else default_factor(lengths, info.get("original_length"))
-        try:
-            fits = list(available_methods(model))
-        except PatchError:
-            fits = []
-        return parse_methods(job.methods, factor=factor, options=job.options, default=[NONE] + fits)
+        return self.settings.methods.for_model(model, factor)
 
     # -- running ----------------------------------------------------------------------------------
     def run(self, jobs: list[ModelJob]) -> Outcome:
@@ -187,7 +186,7 @@ class Runner:
             try:
                 check_request(model, req)
             except PatchError as exc:
-                if job.methods is None:  # the default set: a method that fits the family but not these settings
+                if s.methods.given is None:  # the default set: a method that fits the family but not these settings
                     self.log(f"{job.label}: {req.label} skipped: {exc}")
                 else:
                     self.error(f"{job.label}: {exc}")

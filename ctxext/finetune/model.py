@@ -170,7 +170,11 @@ def _full_rank(model: nn.Module, targets) -> int | None:
 
 
 def _is_linear(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) or type(m).__name__ == "Conv1D"
+    """A layer LoRA adapts: ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2's transposed linear layer, the one
+    peft also adapts; in ``transformers.pytorch_utils`` in every supported release)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(m, (nn.Linear, Conv1D))
 
 
 def apply_patch(recipe: Recipe, model: nn.Module) -> dict[str, Any] | None:

@@ -123,8 +123,16 @@ def check(recipe: Recipe) -> dict[str, Any]:
     return checked
 
 
-def _config_length(model) -> int | None:
-    length = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+def _advertised_length(model) -> int | None:
+    """The context length the model advertises: its family's answer (``ctxext.adapters``); for a model no family
+    claims, the first of the two attributes the fine-tune has always read there."""
+    from ..adapters import adapter_for, config_length
+
+    adapter = adapter_for(model)
+    if adapter.family:
+        length = adapter.original_length(model)
+    else:
+        length = config_length(model.config, ("max_position_embeddings", "n_positions"))
     return int(length) if length else None
 
 
@@ -136,12 +144,12 @@ def _seq_length(recipe: Recipe, spec: dict | None, model) -> int:
     if recipe.train.pose is not None:
         if spec and spec.get("original_length"):
             return int(spec["original_length"])
-        if spec is None and _config_length(model):
-            return _config_length(model)
+        if spec is None and _advertised_length(model):
+            return _advertised_length(model)
         raise RecipeError("data.seq_length is required with train.pose: the patch records no original length")
     if spec and spec.get("patched_length"):
         return int(spec["patched_length"])
-    length = _config_length(model)
+    length = _advertised_length(model)
     if length:
         return length
     raise RecipeError("data.seq_length is required: the patch gives no target length for this model")
@@ -152,7 +160,7 @@ def _pose_target(recipe: Recipe, spec: dict | None, model, seq_length: int) -> i
     against the length the patched model advertises: positions past it would index past a learned position table
     (GPT-2's ``wpe``; ctxext's patched table clamps them) or train a rotary model where no patch put them."""
     pose = recipe.train.pose
-    advertised = (int(spec["patched_length"]) if spec and spec.get("patched_length") else _config_length(model))
+    advertised = (int(spec["patched_length"]) if spec and spec.get("patched_length") else _advertised_length(model))
     target = pose.target_length or (int(spec["patched_length"]) if spec and spec.get("patched_length") else None)
     if target is None:
         raise RecipeError("train.pose.target_length is required: the patch gives no target length for this model")

@@ -57,10 +57,10 @@ FWE_ANSWER = " Answer: According to the coded text above, the three most frequen
 
 @dataclass(frozen=True)
 class Task:
-    """One synthetic task: its generator family, RULER's settings for it, and RULER's generation budget."""
+    """One synthetic task: its generator (RULER's task type), RULER's settings for it, and RULER's generation budget."""
 
     name: str
-    family: str  # niah | vt | cwe | fwe
+    generator: str  # niah | vt | cwe | fwe
     settings: tuple = ()
     ruler_tokens: int = 128
     metric: str = "all"
@@ -73,7 +73,7 @@ class Task:
     @property
     def has_depth(self) -> bool:
         """Whether a sample's needle depth is stated (and drawn in the needle heatmap)."""
-        return self.family == "niah"
+        return self.generator == "niah"
 
 
 def _niah(name: str, haystack: str, type_k: str, type_v: str, k: int = 1, v: int = 1, q: int = 1, doc: str = "") -> Task:
@@ -147,13 +147,14 @@ def sample_rng(task: str, seed: int, length: int, index: int) -> random.Random:
 def generate(task: Task, src: Sources, length: int, *, seed: int = 0, index: int = 0, depth: float = 0.5) -> Sample:
     """Sample ``index`` of ``task`` at ``length`` tokens (prompt + generation budget)."""
     rng = sample_rng(task.name, seed, length, index)
-    return _FAMILIES[task.family](task, src, length, rng, depth)
+    return _GENERATORS[task.generator](task, src, length, rng, depth)
 
 
 def _budget(task: Task, enc: Encoder, answers: list[str]) -> int:
     """Tokens to generate: the expected answer's, written the way the prompt invites (CWE: a numbered list), plus
     ANSWER_MARGIN, at most RULER's budget."""
-    written = " ".join(f"{i + 1}. {a}" for i, a in enumerate(answers)) if task.family == "cwe" else ", ".join(answers)
+    numbered = task.generator == "cwe"
+    written = " ".join(f"{i + 1}. {a}" for i, a in enumerate(answers)) if numbered else ", ".join(answers)
     return min(task.ruler_tokens, len(enc.ids(" " + written)) + ANSWER_MARGIN)
 
 
@@ -341,4 +342,4 @@ def _fwe_sample(task: Task, src: Sources, length: int, rng: random.Random, depth
     return Sample(head + context + tail, answers, new)
 
 
-_FAMILIES = {"niah": _niah_sample, "vt": _vt_sample, "cwe": _cwe_sample, "fwe": _fwe_sample}
+_GENERATORS = {"niah": _niah_sample, "vt": _vt_sample, "cwe": _cwe_sample, "fwe": _fwe_sample}

@@ -1,0 +1,267 @@
+"""What one `ctxext eval` / `ctxext demo` run will do, parsed and checked once, before anything loads.
+
+:func:`plan_eval` takes the command's arguments, parses the methods, lengths and tasks, checks every argument,
+the files they name, the output and the methods x model family (on each model's skeleton), and returns an
+:class:`EvalPlan`: the runner's settings, the models as loaders, the texts, and where the results go. Nothing is
+loaded and nothing is written here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .data import Texts, load_texts
+from .demo import DEMO_MAX_TOKENS, demo_jobs, reference_texts
+from .device import resolve_device, resolve_dtype
+from .models import load_model, load_tokenizer
+from .passkey import DEFAULT_DEPTHS
+from .preflight import check_fit
+from .requests import MethodChoice, parse_factor
+from .results import check_file_target, check_output, jsonl_path
+from .runner import ModelJob, Settings
+from .tasks import PASSKEY, PPL, parse_tasks
+from .windows import PROTOCOLS, check_protocol
+
+#: What the command line offers and shows as defaults (the command imports them from here).
+__all__ = ["DEFAULT_DEPTHS", "DEMO_MAX_TOKENS", "DEMO_OUTPUT", "DEMO_PLOT", "EVAL_OUTPUT", "PROTOCOLS", "EvalPlan",
+           "parse_count", "parse_depths", "parse_factor_argument", "parse_lengths", "parse_measures", "plan_eval"]
+
+DEMO_OUTPUT = "results/demo.json"
+DEMO_PLOT = "results/demo.png"
+EVAL_OUTPUT = "results/eval.json"
+
+
+# -- values of single arguments (the command turns their ValueError into a usage error) ---------------------------
+def parse_lengths(text: str) -> list[int]:
+    """``512,1024,2k`` -> [512, 1024, 2048], sorted, each once."""
+    out = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        scale = 1024 if part.endswith("k") else 1
+        try:
+            number = float(part.rstrip("k")) * scale
+        except ValueError:
+            raise ValueError(f"not a length: {part!r} (e.g. 512,1024,2k)") from None
+        if not number.is_integer() or number < 2:
+            raise ValueError(f"a length must be a whole number of tokens >= 2, got {part!r}")
+        out.append(int(number))
+    if not out:
+        raise ValueError("no lengths given (e.g. 512,1024,2k)")
+    return sorted(set(out))
+
+
+def parse_depths(text: str) -> tuple[float, ...]:
+    """``0,.5,1`` -> needle depths, fractions of the context."""
+    try:
+        depths = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"expected numbers between 0 and 1, got {text!r}") from None
+    if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+        raise ValueError(f"depths are fractions of the context, between 0 and 1; got {text!r}")
+    return depths
+
+
+def parse_count(text: str) -> int:
+    """A whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"must be >= 1, got {value}")
+    return value
+
+
+def parse_factor_argument(text: str) -> float:
+    """``--factor``: a number between 1 and the cap."""
+    try:
+        return parse_factor(text, "--factor")
+    except ValueError as exc:
+        raise ValueError(str(exc).removeprefix("--factor: ")) from None
+
+
+def parse_measures(tasks: str | None, *, passkey: bool) -> list[str]:
+    """What the run measures: ``--tasks`` (ppl, passkey, task names; default ppl), ``--passkey`` adding passkey."""
+    measures = parse_tasks(tasks) if tasks else [PPL]
+    if passkey and PASSKEY not in measures:
+        measures.append(PASSKEY)
+    return measures
+
+
+# -- the plan -----------------------------------------------------------------------------------------------------
+@dataclass
+class EvalPlan:
+    """One run, checked: what the runner does (``settings``, ``jobs``) and where its results go."""
+
+    demo: bool
+    device: str
+    dtype: str
+    settings: Settings
+    jobs: list[ModelJob]
+    texts: Texts
+    output: str
+    resume: bool = False
+    overwrite: bool = False
+    plot: str | None = None
+    heatmap: str | None = None
+    evaluator: str | None = None
+    #: --methods, --factor, --option and --lengths as the user gave them (part of what --resume must match).
+    as_given: dict[str, Any] = field(default_factory=dict)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must match for --resume to reuse rows (see :mod:`ctxext.evaluation.fingerprint`); reads the
+        model, data and tokenizer files."""
+        from .fingerprint import data_fingerprint, model_fingerprint, tokenizer_fingerprint
+
+        s = self.settings
+        found: dict[str, Any] = {
+            "models": [dict(j.info, label=j.label, files=model_fingerprint(j.info)) for j in self.jobs],
+            "data": dict(self.texts.info, content=data_fingerprint(self.texts.texts)), "dtype": self.dtype,
+            "plan": self.as_given,
+            "protocol": s.protocol, "stride": s.stride, "max_windows": s.max_windows, "max_tokens": s.max_tokens,
+            "passkey": [True, list(s.passkey_depths), s.passkey_trials, s.seed] if s.passkey else None,
+        }
+        if s.tasks:  # absent without tasks: runs from before tasks existed still resume
+            found["tasks"] = [s.tasks, s.task_samples, list(s.task_depths), s.seed, s.chat_template,
+                              [tokenizer_fingerprint(j.info) for j in self.jobs]]
+        if not s.perplexity:
+            found["perplexity"] = False
+        if s.key_tokens:  # ppl rows then carry key-token perplexity: only such rows resume
+            found["key_tokens"] = [self.evaluator, s.key_context, s.key_short,
+                                   model_fingerprint({"model": self.evaluator}) if self.evaluator else None]
+        return found
+
+
+def plan_eval(args) -> EvalPlan:
+    """Check every argument, the files they name, the output and the methods x model family; load no model and
+    write nothing. ``args`` are the parsed arguments of `ctxext eval` / `ctxext demo` (no ``model``: the demo)."""
+    demo = args.model is None
+    if demo and (args.gguf_file or args.adapter or args.evaluator):
+        raise ValueError("--gguf-file, --adapter and --evaluator need --model")
+    measures = None  # parsed here only with --key-tokens, so that errors come in the order they always did
+    if args.key_tokens:
+        measures = parse_measures(args.tasks, passkey=args.passkey)
+        if PPL not in measures:
+            raise ValueError("--key-tokens is a perplexity: add ppl to --tasks")
+    if not args.key_tokens and (args.evaluator or args.key_context or args.key_short):
+        raise ValueError("--evaluator, --key-context and --key-short need --key-tokens")
+    if args.key_context and args.key_short and args.key_short >= args.key_context:
+        raise ValueError(f"--key-short {args.key_short} must be shorter than --key-context {args.key_context}")
+    device = resolve_device(args.device)
+    resolve_dtype(args.dtype)
+    if measures is None:
+        measures = parse_measures(args.tasks, passkey=args.passkey)
+    tasks = [m for m in measures if m not in (PPL, PASSKEY)]
+    if tasks:
+        from .tasks import words
+
+        try:
+            words.check_available()
+        except ImportError as exc:
+            raise ValueError(f"--tasks: {exc}") from None
+    methods = MethodChoice.parse(args.methods, options=args.option)  # unknown names, bad factors, stray options
+    for length in args.lengths or []:
+        check_protocol(args.protocol, length, args.stride)  # a stride too long for a length
+    output = args.output or (DEMO_OUTPUT if demo else EVAL_OUTPUT)
+    if args.data and Path(args.data).resolve() in (Path(output).resolve(), jsonl_path(output).resolve()):
+        raise ValueError(f"--output {output} would overwrite the data {args.data}; choose another --output")
+    check_output(output, resume=args.resume, overwrite=args.overwrite)
+    plot = args.plot or (DEMO_PLOT if demo else None)
+    if plot:
+        _check_picture(plot, data=args.data)
+    heatmap = args.heatmap or _beside(plot)
+    if heatmap and plot and Path(heatmap).resolve() == Path(plot).resolve():
+        raise ValueError(f"--heatmap {heatmap} is the --plot file; choose another")
+    if heatmap and heatmap != _beside(plot):
+        _check_picture(heatmap, data=args.data, flag="--heatmap")
+    if not demo:
+        _check_sources(args)
+    texts = load_texts(args.data, split=args.data_split, text_field=args.text_field) if args.data else None
+    if demo:
+        jobs = demo_jobs(texts, factor=args.factor, dtype=args.dtype, device=device)
+        texts = jobs[0].texts
+    else:
+        texts = texts or reference_texts()
+        jobs = [_model_job(args, device, texts)]
+    check_fit(jobs, methods, args.lengths)  # lengths None: each model at 1x..8x its own original length
+    max_windows, max_tokens = args.max_windows, args.max_tokens
+    if demo and max_windows is None and max_tokens is None:
+        max_tokens = DEMO_MAX_TOKENS
+    settings = Settings(
+        methods=methods, lengths=args.lengths, protocol=args.protocol, stride=args.stride, max_windows=max_windows,
+        max_tokens=max_tokens, batch_size=args.batch_size, perplexity=PPL in measures, passkey=PASSKEY in measures,
+        passkey_depths=tuple(args.passkey_depths), passkey_trials=args.passkey_trials, seed=args.seed,
+        progress=not args.no_progress, tasks=tasks, task_samples=args.task_samples,
+        task_depths=tuple(args.task_depths), chat_template=not args.no_chat_template,
+        key_tokens=args.key_tokens, key_context=args.key_context, key_short=args.key_short,
+    )
+    return EvalPlan(
+        demo=demo, device=device, dtype=args.dtype, settings=settings, jobs=jobs, texts=texts, output=output,
+        resume=args.resume, overwrite=args.overwrite, plot=plot, heatmap=heatmap, evaluator=args.evaluator,
+        as_given={"methods": args.methods, "factor": args.factor, "options": sorted(args.option or []),
+                  "lengths": args.lengths},
+    )
+
+
+def _beside(plot: str | None) -> str | None:
+    """The needle heatmap's default file: beside the perplexity plot, when there is one."""
+    if not plot:
+        return None
+    path = Path(plot)
+    return str(path.with_name(f"{path.stem}_needles{path.suffix or '.png'}"))
+
+
+def _check_picture(path: str, *, data: str | None, flag: str = "--plot") -> None:
+    target = check_file_target(path, flag, "ppl.png")
+    if data and target.resolve() == Path(data).resolve():
+        raise ValueError(f"{flag} {path} would overwrite the data {data}; choose another {flag}")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise ValueError(f"{flag} needs matplotlib: pip install 'ctxext[eval]'") from None
+
+
+def _check_sources(args) -> None:
+    """--model, --evaluator and --adapter can be loaded from here (nothing is downloaded)."""
+    from ..data.sources import check_source
+
+    check_source(args.model, gguf_file=args.gguf_file, what="--model")
+    if args.evaluator:
+        check_source(args.evaluator, what="--evaluator")
+    if args.adapter is not None and not (Path(args.adapter) / "adapter_config.json").is_file():
+        raise FileNotFoundError(f"--adapter {args.adapter}: not a LoRA adapter folder (no adapter_config.json)")
+
+
+def _model_job(args, device: str, texts: Texts) -> ModelJob:
+    """The one model of `ctxext eval --model`, as loaders: nothing is loaded here."""
+    from ..loading import model_skeleton
+
+    model_id, gguf_file = args.model, args.gguf_file
+    return ModelJob(
+        label=_model_label(model_id, gguf_file),
+        load_tokenizer=lambda: load_tokenizer(model_id, gguf_file=gguf_file),
+        load_model=lambda state: load_model(model_id, gguf_file=gguf_file, adapter=args.adapter, dtype=args.dtype,
+                                            device=device, state=state),
+        load_skeleton=lambda: model_skeleton(model_id, gguf_file=gguf_file),
+        texts=texts, factor=args.factor, info={"model": model_id, "gguf_file": gguf_file, "adapter": args.adapter},
+        load_evaluator=_evaluator_loader(args.evaluator, args.dtype, device) if args.evaluator else None,
+    )
+
+
+def _evaluator_loader(evaluator: str, dtype: str, device: str):
+    def load(state):
+        model = load_model(evaluator, dtype=dtype, device=device, state=state)
+        return model, load_tokenizer(evaluator), evaluator
+
+    return load
+
+
+def _model_label(model_id: str, gguf_file: str | None) -> str:
+    if gguf_file:
+        return Path(gguf_file).name.removesuffix(".gguf")
+    path = Path(model_id)
+    return path.resolve().name if path.exists() else model_id

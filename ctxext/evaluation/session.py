@@ -1,0 +1,62 @@
+"""One evaluation run from its plan (:class:`~.plan.EvalPlan`): the processes' state, the output held against other
+runs, the result store (``--resume``), the runner over the models, and the final document, written also after
+Ctrl-C or an error."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+from ..core.outputs import OutputLock
+from .device import make_state
+from .report import results_document
+from .results import ResultStore, check_output
+from .runner import Outcome, Runner
+
+
+@dataclass
+class Finished:
+    """What a run left: its rows in plan order, the runner's outcome, the final document and whether it was
+    written (None: nothing finished in this run, an earlier result stays)."""
+
+    store: ResultStore
+    rows: list[dict[str, Any]]
+    outcome: Outcome
+    document: dict[str, Any]
+    written: Path | None
+
+
+@contextlib.contextmanager
+def open_run(plan) -> Iterator[Any]:
+    """The accelerate state of this process; the main process holds the output from before the first model loads
+    to the last write (one writer per output)."""
+    state = make_state(plan.device)
+    with contextlib.ExitStack() as stack:
+        if state.is_main_process:
+            stack.enter_context(OutputLock(plan.output, "--output"))
+            check_output(plan.output, resume=plan.resume, overwrite=plan.overwrite)  # again: another run may have ended
+        yield state
+
+
+def run_plan(plan, state, *, command: str) -> Finished:
+    """Run every job of ``plan``; the final document holds every finished row, also when the run is cut short."""
+    store = ResultStore(plan.output, plan.fingerprint(), resume=plan.resume, enabled=state.is_main_process)
+    runner = Runner(plan.settings, store, state, command=command)
+    for problem in store.rejected:
+        runner.log(f"resume: {problem}; not kept, recomputed")
+    if store.resumed:
+        runner.log(f"resuming: {store.resumed} finished row(s) in {store.jsonl}"
+                   + (f"; {store.dropped} unreadable line(s) (a write cut by a kill) will be recomputed"
+                      if store.dropped else ""))
+    started = datetime.datetime.now(datetime.timezone.utc)
+    try:
+        runner.run(plan.jobs)
+    finally:  # also on Ctrl-C and errors: the final JSON holds every finished row (none: an earlier result stays)
+        outcome = runner.outcome
+        rows = store.ordered(outcome.planned)
+        document = results_document(plan, started, state, outcome, rows)
+        written = store.write_final(document)
+    return Finished(store, rows, outcome, document, written)
