@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import ctxext
-from ctxext.methods.registry import METHODS, format_method_table, method_table
+from ctxext.adapters.table import format_method_table, method_table
+from ctxext.methods.registry import METHODS
 
 
 def test_every_cell_says_what_happens_or_why_not():
@@ -44,7 +45,7 @@ def test_cli_prints_the_markdown_table():
 def test_readme_shows_the_registry_table():
     from pathlib import Path
 
-    from ctxext.methods.registry import format_method_table
+    from ctxext.adapters.table import format_method_table
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert format_method_table(markdown=True) in readme, "README's method table is stale: paste `ctxext methods --markdown`"

@@ -38,3 +38,8 @@ def adapter_for(model: nn.Module) -> Adapter:
     get_base = getattr(model, "get_base_model", None)
     plain = get_base() if callable(get_base) else model
     return next((a for a in ADAPTERS if a.detect(plain)), Adapter())
+
+
+def adapter_for_family(family: str) -> Adapter | None:
+    """The adapter whose family key is ``family`` (as a saved patch spec records it), or None."""
+    return next((a for a in ADAPTERS if a.family == family), None)

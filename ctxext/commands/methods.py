@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from ..methods.registry import METHODS, format_method_table, method_table
+from ..adapters.table import format_method_table, method_table
+from ..methods.registry import METHODS
 
 
 def register(sub) -> None:

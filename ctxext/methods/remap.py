@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ..core.errors import PatchError
-from .declaration import Method, Option
+from .declaration import Kind, Method, Option
 
 Positions = Callable[[torch.Tensor], torch.Tensor]
 
@@ -457,17 +457,6 @@ def string(original_length: int, factor: float | None = None, shift: int | None 
                        split=KeySplit(_band_start(shift)))
 
 
-#: method name -> position-map builder(original_length, factor, **options)
-MAPS: dict[str, Callable[..., PositionMap]] = {
-    "self-extend": self_extend,
-    "dca": dca,
-    "rerope": rerope,
-    "lm-infinite": lm_infinite,
-    "streaming-llm": streaming_llm,
-    "string": string,
-}
-
-
 def build_map(method: str, original_length: int, factor: float | None = None, **options: Any) -> PositionMap:
     """The position map of ``method`` for a model trained to ``original_length``; PatchError for bad options."""
     if method not in MAPS:
@@ -499,7 +488,7 @@ __all__ = [
 ]
 
 
-# -- declarations: one per method (collected by ctxext.methods.registry.METHODS) --------------------------------------------
+# -- declarations: one per method (collected by ctxext.methods.registry) ---------------------------------------------
 
 _DERIVED = "default: derived from the factor (see ctxext.methods.remap)"
 
@@ -512,6 +501,9 @@ REMAP_METHODS: dict[str, Method] = {
             "self-extend",
             "Self-Extend: true positions within a neighbour window, grouped (floor-divided) positions beyond it "
             "(factor optional: the length to advertise and to pick group/window for)",
+            Kind.REMAP,
+            rule="grouped positions beyond a window",
+            position_map=self_extend,
             needs_factor=False,
             scales_with_factor=True,
             options={
@@ -523,6 +515,9 @@ REMAP_METHODS: dict[str, Method] = {
             "dca",
             "Dual Chunk Attention (ChunkLlama): keys at position mod chunk size; intra-chunk, successive-chunk "
             "(local window) and inter-chunk query positions, one softmax (factor optional: the length to advertise)",
+            Kind.REMAP,
+            rule="chunked positions (intra / successive / inter-chunk)",
+            position_map=dca,
             needs_factor=False,
             scales_with_factor=True,
             options={
@@ -536,6 +531,9 @@ REMAP_METHODS: dict[str, Method] = {
             "rerope",
             "ReRoPE: relative distance clipped at a window (leaky: slope 1/k beyond it), queries log-length "
             "scaled (factor optional: the length to advertise)",
+            Kind.REMAP,
+            rule="distance clipped at a window",
+            position_map=rerope,
             needs_factor=False,
             scales_with_factor=True,
             options={
@@ -550,6 +548,9 @@ REMAP_METHODS: dict[str, Method] = {
             "lm-infinite",
             "LM-Infinite: Lambda-shaped attention (window + first tokens), distance capped at the original length "
             "(factor optional: the length to advertise)",
+            Kind.REMAP,
+            rule="Lambda mask + distance cap",
+            position_map=lm_infinite,
             needs_factor=False,
             scales_with_factor=True,
             options={
@@ -561,6 +562,9 @@ REMAP_METHODS: dict[str, Method] = {
             "streaming-llm",
             "StreamingLLM: a cache of attention-sink first tokens + a recent window, positions by place in the cache "
             "(factor optional: the length to advertise)",
+            Kind.REMAP,
+            rule="sink tokens + recent window, positions in the cache",
+            position_map=streaming_llm,
             needs_factor=False,
             scales_with_factor=True,
             options={
@@ -573,6 +577,9 @@ REMAP_METHODS: dict[str, Method] = {
             "string",
             "STRING: relative positions >= shift moved down by shift - local, overwriting rarely trained "
             "positions (factor optional: the length to advertise and to pick the shift for)",
+            Kind.REMAP,
+            rule="large distances shifted down",
+            position_map=string,
             needs_factor=False,
             scales_with_factor=True,
             options={
@@ -583,3 +590,6 @@ REMAP_METHODS: dict[str, Method] = {
         ),
     ]
 }
+
+#: method name -> position-map builder(original_length, factor, **options)
+MAPS: dict[str, Callable[..., PositionMap]] = {m.name: m.position_map for m in REMAP_METHODS.values()}
