@@ -87,8 +87,3 @@ class Method:
     @property
     def described_as_table(self) -> str:
         return self.table_rule if self.table_rule is not None else self.rule
-
-
-def ordered(*methods: Method) -> dict[str, Method]:
-    """Declarations by name, in the given order (the order of the method table)."""
-    return {m.name: m for m in methods}

@@ -19,6 +19,9 @@ frequency, so each method has one meaning on any starting set:
 * ``yarn`` / ``llama3``: the ramp is decided by each frequency's wavelength against ``original_length`` (for
   ``yarn`` through the index a plain-RoPE frequency of that wavelength would have, see ``yarn``);
 * ``extrapolate``: frequencies unchanged.
+
+Each method is declared at the end of the module (its kind, options, rule in words and transformers-native form),
+beside its function; ``ctxext.methods.registry`` collects the declarations.
 """
 
 from __future__ import annotations
