@@ -222,7 +222,8 @@ def available_methods(model: nn.Module | None = None) -> dict[str, list[str]]:
 
 @contextlib.contextmanager
 def dynamic_length(model: nn.Module, length: int):
-    """Fix the dynamic-NTK scale for sequences decoded manually with a KV cache to ``length`` tokens.
+    """Fix the dynamic-NTK scale (a per-sequence method's) for sequences decoded manually with a KV cache to
+    ``length`` tokens.
 
     ``generate`` does this itself (prompt + max_new_tokens). Without it, a cached decode keeps the scale
     fixed at its prefill, which differs from a full forward pass over the final, longer sequence.
@@ -230,7 +231,8 @@ def dynamic_length(model: nn.Module, length: int):
     plain = base_model(model, "ctxext.dynamic_length")
     release = None if getattr(plain, _ACTIVE, None) is None else find_adapter(plain).plan_length(plain, int(length))
     if release is None:
-        raise PatchError("dynamic_length needs a model patched with method 'dynamic-ntk'")
+        per_sequence = " or ".join(repr(m.name) for m in METHODS.values() if m.per_sequence)
+        raise PatchError(f"dynamic_length needs a model patched with method {per_sequence}")
     try:
         yield model
     finally:

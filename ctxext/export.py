@@ -24,11 +24,12 @@ pi, extrapolate   ``wpe`` saved as the method's table (``n_positions`` rows), ``
 
 Every rotary candidate is *verified* before it is written: transformers' own rotary class is built from the native
 config (the exact path a plain ``from_pretrained`` takes) and its frequencies and attention scale must equal the
-patched model's to float32 rounding (``RTOL``); dynamic NTK is compared at several sequence lengths. So the config
-form that this transformers reads (5.x ``rope_parameters`` or 4.x ``rope_scaling`` + ``rope_theta``) is found by
-what works, not by version, and a form that would differ is never written: the checkpoint is then saved marked
-(plain loading fails, naming ``ctxext.from_pretrained``), as for the methods with no native form at all (ALiBi
-swap, NoPE, the attention-remap methods, BLOOM's ALiBi interpolation).
+patched model's to float32 rounding (``ctxext.adapters.rotary_native``); dynamic NTK is compared at several sequence
+lengths. So the config form that this transformers reads (5.x ``rope_parameters`` or 4.x ``rope_scaling`` +
+``rope_theta``) is found by what works, not by version, and a form that would differ is never written: the checkpoint
+is then saved marked (plain loading fails, naming ``ctxext.from_pretrained``), as for the methods with no native form
+at all (ALiBi swap, NoPE, the attention-remap methods, BLOOM's ALiBi interpolation). Each family's adapter builds its
+own form (``Adapter.native_form``).
 
 The saved config keeps ctxext's spec block (``"ctxext"``, with ``"saved_as": "native"`` and the replaced config
 values), so ``ctxext.from_pretrained`` still reports the patch and ``unpatch`` restores the original model.
@@ -40,22 +41,16 @@ import contextlib
 import copy
 import functools
 import json
-import math
 import os
 import types
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
 from torch import nn
 
-from .core.errors import PatchError
-from .core.native_form import NativeForm, NoNativeForm, no_form_reason
+from .core.native_form import NativeForm, NoNativeForm
 from .core.spec import CONFIG_KEY, NATIVE_KEY, TENSORS_KEY, PatchSpec
 
-#: Relative tolerance between the patched model's rotary frequencies / attention scale and those transformers
-#: computes from the native config: float32 rounding (a few units in the last place), nothing more.
-RTOL = 1e-6
 #: The file (beside the weights) holding tensors the native form replaced: GPT-2's original position table.
 ORIGINAL_TENSORS = "ctxext_original_positions.safetensors"
 
@@ -67,7 +62,7 @@ def native_form(model: nn.Module, spec: PatchSpec | None = None, *, check_only: 
     """The native form of the patch active on ``model`` (or ``spec``, applied to it); raises NoNativeForm saying
     why there is none. ``check_only``: ``model`` may be an unpatched skeleton (weights on the meta device) of a
     family whose native form needs no verification (GPT-2, BLOOM); the form returned then only says that one
-    exists (rotary models are verified, so they must be patched)."""
+    exists (families whose form is verified, ``Adapter.native_form_needs_patch``, must be patched)."""
     from .adapters import find_adapter
     from .core.active import base_model, describe
 
@@ -77,16 +72,7 @@ def native_form(model: nn.Module, spec: PatchSpec | None = None, *, check_only: 
         if active is None:
             raise NoNativeForm("the model is not patched by ctxext")
         spec = PatchSpec.from_dict(active)
-    adapter = find_adapter(model)
-    if adapter.family == "rotary":
-        return _rotary_form(model, spec)
-    if adapter.family == "bloom" and spec.method == "extrapolate":
-        return NativeForm({}, summary="ALiBi unchanged, max_position_embeddings advertised")
-    return adapter.native_form(model, spec, check_only=check_only)  # each family's own (tables)
-
-
-def _no_form_reason(spec: PatchSpec, title: str) -> str:
-    return no_form_reason(spec.method, title)
+    return find_adapter(model).native_form(model, spec, check_only=check_only)  # each family's own
 
 
 def check_native(model: nn.Module) -> str | None:
@@ -96,222 +82,6 @@ def check_native(model: nn.Module) -> str | None:
     except NoNativeForm as exc:
         return str(exc)
     return None
-
-
-_NATIVE_ROPE = {"pi": "linear", "yarn": "yarn", "llama3": "llama3", "dynamic-ntk": "dynamic"}
-
-
-def _rope_fields(spec: PatchSpec, rope_type: str) -> dict[str, Any]:
-    """The native rope-type fields for the spec (without rope_theta and the other plain-RoPE fields)."""
-    out: dict[str, Any] = {"rope_type": rope_type, "factor": float(spec.factor)}
-    options = spec.options
-    if rope_type == "yarn":
-        out["original_max_position_embeddings"] = spec.original_length
-        out["beta_fast"] = float(options.get("beta_fast", 32.0))
-        out["beta_slow"] = float(options.get("beta_slow", 1.0))
-        for key in ("attention_factor", "mscale", "mscale_all_dim"):
-            if options.get(key) is not None:
-                out[key] = float(options[key])
-        if options.get("truncate") is False:
-            out["truncate"] = False
-    elif rope_type == "llama3":
-        out["original_max_position_embeddings"] = spec.original_length
-        out["low_freq_factor"] = float(options.get("low_freq_factor", 1.0))
-        out["high_freq_factor"] = float(options.get("high_freq_factor", 4.0))
-    return out
-
-
-def _composed_updates(spec: PatchSpec, preset: str, rope: dict[str, Any], base: float, dim: int,
-                      attention_scaling: float) -> dict[str, Any]:
-    """The changes to a shipped scaled rope type's settings (``rope``) that compute ``spec`` composed on it, where
-    transformers has such a form (each is still verified): ``pi`` on ``linear`` x a is ``linear`` x (a * f); ``ntk``
-    is the same rope type with rope_theta = base * f^(d/(d-2)) (exact for ``linear``; for the others verification
-    decides); ``pi`` on ``longrope`` multiplies the long factors by f; ``extrapolate`` keeps the settings (only the
-    advertised length grows). A ``longrope`` form writes its attention factor explicitly (transformers would
-    otherwise derive it from the new advertised length)."""
-    method, f = spec.method, float(spec.factor)
-    updates: dict[str, Any] = {}
-    if method == "pi" and preset == "linear" and isinstance(rope.get("factor"), (int, float)):
-        updates["factor"] = float(rope["factor"]) * f
-    elif method == "pi" and preset == "longrope" and isinstance(rope.get("long_factor"), (list, tuple)):
-        updates["long_factor"] = [float(x) * f for x in rope["long_factor"]]
-    elif method == "ntk":
-        updates["rope_theta"] = base * f ** (dim / (dim - 2))
-    elif method != "extrapolate":
-        raise NoNativeForm(f"{method} x{f:g} composed on the shipped rope type {preset!r} has no transformers-native "
-                           "form (no transformers rope type computes it)")
-    if preset == "longrope":
-        updates["attention_factor"] = float(attention_scaling)
-    return updates
-
-
-def _rotary_candidates(config: Any, spec: PatchSpec, base: float, dim: int, preset: str = "default",
-                       attention_scaling: float = 1.0) -> list[dict[str, Any]]:
-    """Native config changes for ``spec``, one per RoPE config API the config may have (5.x ``rope_parameters``,
-    4.x ``rope_scaling`` + ``rope_theta`` / ``rotary_emb_base``); each is verified before use. ``preset``: the rope
-    type the model ships (a method composed on a scaled one, see ``_composed_updates``)."""
-    method = spec.method
-    if method not in (*_NATIVE_ROPE, "ntk", "extrapolate"):  # NoPE, the ALiBi swap, the remap methods
-        raise NoNativeForm(_no_form_reason(spec, "LLaMA-family (rotary)"))
-    if preset != "default":
-        candidates = []
-        params = getattr(config, "rope_parameters", None)
-        if isinstance(params, dict) and params.get("rope_type") == preset:
-            rope = {**params, **_composed_updates(spec, preset, params, base, dim, attention_scaling)}
-            candidates.append({"rope_parameters": rope, "max_position_embeddings": spec.patched_length})
-        scaling = getattr(config, "rope_scaling", None)
-        if isinstance(scaling, dict) and scaling.get("rope_type", scaling.get("type")) == preset:
-            updates = _composed_updates(spec, preset, scaling, base, dim, attention_scaling)
-            theta = updates.pop("rope_theta", None)
-            changes = {"rope_scaling": {**scaling, **updates}, "max_position_embeddings": spec.patched_length}
-            if theta is not None:
-                for key in ("rope_theta", "rotary_emb_base"):
-                    if isinstance(getattr(config, key, None), (int, float)):
-                        changes[key] = theta
-            candidates.append(changes)
-        return candidates
-    length = spec.original_length if method == "dynamic-ntk" else spec.patched_length
-    new_base = base * spec.factor ** (dim / (dim - 2)) if method == "ntk" else None
-    candidates = []
-    params = getattr(config, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_type" in params:  # 5.x: one dict, rope_theta inside
-        rope = dict(params)
-        if method in _NATIVE_ROPE:
-            rope.update(_rope_fields(spec, _NATIVE_ROPE[method]))
-        elif new_base is not None:
-            rope["rope_theta"] = new_base
-        candidates.append({"rope_parameters": rope, "max_position_embeddings": length})
-    if hasattr(config, "rope_scaling"):  # 4.x: rope_scaling (None for plain RoPE) + rope_theta / rotary_emb_base
-        changes: dict[str, Any] = {"max_position_embeddings": length}
-        scaling = getattr(config, "rope_scaling", None)
-        if method in _NATIVE_ROPE:
-            changes["rope_scaling"] = {**(scaling or {}), **_rope_fields(spec, _NATIVE_ROPE[method])}
-        if new_base is not None:
-            for key in ("rope_theta", "rotary_emb_base"):
-                if isinstance(getattr(config, key, None), (int, float)):
-                    changes[key] = new_base
-        candidates.append(changes)
-    return candidates
-
-
-def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
-    return a.shape == b.shape and bool(torch.all((a - b).abs() <= RTOL * b.abs()))
-
-
-def _native_rotary(module: nn.Module, config: Any):
-    """transformers' rotary class of ``module`` built from ``config``, as a plain load builds it."""
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return type(module)(config=config)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-
-
-def _config_with(config: Any, changes: dict[str, Any]):
-    """A config of the same class, from the live one's dict with ``changes`` (what a plain load of the native
-    ``config.json`` reads), through transformers' own ``from_dict`` (its validation and standardisation)."""
-    import warnings
-
-    from transformers.utils import logging as hf_logging
-
-    data = config.to_dict()
-    data.pop(CONFIG_KEY, None)
-    data.update(copy.deepcopy(changes))
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            return type(config).from_dict(data)
-    finally:
-        hf_logging.set_verbosity(verbosity)
-
-
-def _verify_rotary(model: nn.Module, spec: PatchSpec, changes: dict[str, Any], preset: str = "default") -> str | None:
-    """None where transformers' rotary modules built from the native config equal the patched ones; else why not.
-    A ``longrope`` module is compared on both its sets (short: ``original_inv_freq``; long: ``long_inv_freq``)."""
-    from .adapters.rotary_units import RotaryUnit, long_frequencies, rotary_modules, unit_inputs
-    from .methods import rope as rope_methods
-
-    try:
-        config = _config_with(model.config, changes)
-    except Exception as exc:  # noqa: BLE001 - transformers refuses the candidate config
-        return f"transformers refuses the native config ({type(exc).__name__}: {exc})"
-    expected_type = _NATIVE_ROPE.get(spec.method, "default") if preset == "default" else preset
-    for name, module in rotary_modules(model):
-        try:
-            native = _native_rotary(module, config)
-        except Exception as exc:  # noqa: BLE001
-            return f"transformers cannot build {type(module).__name__} from the native config ({exc})"
-        if native.rope_type != expected_type:
-            return f"transformers reads rope type {native.rope_type!r} from it, not {expected_type!r}"
-        if preset == "longrope":
-            try:
-                native_long = long_frequencies(RotaryUnit(name, native))
-            except PatchError as exc:
-                return str(exc)
-            patched_long = getattr(module, "long_inv_freq", None)
-            if patched_long is None:
-                patched_long = long_frequencies(RotaryUnit(name, module))
-            if not _close(native.original_inv_freq, module.original_inv_freq) or not _close(native_long, patched_long):
-                return f"its short or long frequencies differ from the patched ones in {name or 'the rotary module'}"
-            if not math.isclose(native.attention_scaling, module.attention_scaling, rel_tol=RTOL, abs_tol=0):
-                return (f"its attention scale {native.attention_scaling} differs from the patched "
-                        f"{module.attention_scaling}")
-            continue
-        if spec.method != "dynamic-ntk":
-            if not _close(native.inv_freq, module.inv_freq):
-                return f"its rotary frequencies differ from the patched ones in {name or 'the rotary module'}"
-            if not math.isclose(native.attention_scaling, module.attention_scaling, rel_tol=RTOL, abs_tol=0):
-                return (f"its attention scale {native.attention_scaling} differs from the patched "
-                        f"{module.attention_scaling}")
-            continue
-        inputs = unit_inputs(RotaryUnit(name, module), spec.original_length, spec.method)
-        x = torch.zeros(1, 1, 1, dtype=torch.float32, device=module.inv_freq.device)
-        lengths = sorted({spec.original_length, spec.original_length + 1, 2 * spec.original_length,
-                          spec.patched_length, 2 * spec.patched_length + 3})
-        for length in lengths:  # increasing: transformers' dynamic type only grows between resets
-            native(x, torch.tensor([[length - 1]], device=x.device))
-            ours, _ = rope_methods.dynamic_ntk_scale(inputs, spec.factor, length)
-            if not _close(native.inv_freq, ours) or native.attention_scaling != 1.0:
-                return f"transformers' dynamic frequencies differ from ctxext's at length {length}"
-    return None
-
-
-def _rotary_form(model: nn.Module, spec: PatchSpec) -> NativeForm:
-    from .adapters.rotary_units import RotaryUnit, rotary_modules, unit_inputs
-
-    modules = rotary_modules(model)
-    if not modules or any(getattr(m, "config", None) is not model.config for _, m in modules):
-        raise NoNativeForm("the rotary modules do not read the model's own config (a nested text config); "
-                           "ctxext writes native forms for top-level configs only")
-    try:
-        inputs = unit_inputs(RotaryUnit(*modules[0]), spec.original_length, spec.method)
-    except PatchError as exc:
-        raise NoNativeForm(str(exc)) from exc
-    reasons = []
-    # a longrope form writes the patched attention factor (pi / ntk / extrapolate keep the shipped one)
-    for changes in _rotary_candidates(model.config, spec, inputs.base, inputs.dim, inputs.preset,
-                                      modules[0][1].attention_scaling):
-        problem = _verify_rotary(model, spec, changes, inputs.preset)
-        if problem is None:
-            rope = changes.get("rope_parameters") or changes.get("rope_scaling") or {}
-            what = f"rope type {rope.get('rope_type', 'default')!r}"
-            if spec.method == "ntk":
-                theta = changes.get("rope_parameters", changes)
-                what += f", rope_theta {theta.get('rope_theta', changes.get('rotary_emb_base'))}"
-            return NativeForm(changes, summary=f"{what}, max_position_embeddings {changes['max_position_embeddings']}")
-        reasons.append(problem)
-    raise NoNativeForm(f"{spec.method} x{spec.factor:g} has no exact native form on this model: "
-                       + ("; ".join(reasons) or "its config has no RoPE settings transformers reads"))
 
 
 # -- writing it ----------------------------------------------------------------------------------------------------

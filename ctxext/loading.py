@@ -87,7 +87,7 @@ def _config_from_saved(pretrained: Any, config_dict: dict[str, Any], kwargs: dic
     does."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from .adapters import ADAPTERS
+    from .adapters import adapter_for_family
 
     if as_saved:
         data = dict(config_dict)
@@ -95,7 +95,7 @@ def _config_from_saved(pretrained: Any, config_dict: dict[str, Any], kwargs: dic
     else:
         data = unmark_config_dict(dict(config_dict))
         spec = PatchSpec.from_dict(data[CONFIG_KEY])
-        adapter = next((a for a in ADAPTERS if a.family == spec.family), None)
+        adapter = adapter_for_family(spec.family)
         if adapter is not None and adapter.length_attr and spec.original_length is not None:
             data[adapter.length_attr] = spec.original_length
     model_type = data.get("model_type")

@@ -140,11 +140,11 @@ def test_no_native_form_fails_plain_loading_loudly(tmp_path, family, method):
 def test_a_native_form_that_does_not_verify_is_never_written(tmp_path, monkeypatch):
     """Each rotary candidate is checked against transformers' own rotary class: with no tolerance at all, ntk's
     new rope_theta (float32 rounding apart) is refused and the checkpoint saved marked, not silently different."""
-    import ctxext.export as export
+    import ctxext.adapters.rotary_native as rotary_native
 
     model = tiny_llama()
     ctxext.patch(model, "ntk", 4)
-    monkeypatch.setattr(export, "RTOL", 0.0)
+    monkeypatch.setattr(rotary_native, "RTOL", 0.0)
     with pytest.raises(NoNativeForm, match="frequencies differ"):
         native_form(model)
     model.save_pretrained(tmp_path)

@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import ctxext
-from ctxext.methods.registry import METHODS, format_method_table, method_table
+from ctxext.adapters.table import format_method_table, method_table
+from ctxext.methods.registry import METHODS
 
 
 def test_every_cell_says_what_happens_or_why_not():
@@ -44,7 +45,7 @@ def test_cli_prints_the_markdown_table():
 def test_readme_shows_the_registry_table():
     from pathlib import Path
 
-    from ctxext.methods.registry import format_method_table
+    from ctxext.adapters.table import format_method_table
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
     assert format_method_table(markdown=True) in readme, "README's method table is stale: paste `ctxext methods --markdown`"
@@ -108,8 +109,17 @@ def test_family_shows_that_familys_cells(capsys):
 def test_long_cells_are_wrapped_not_cut(capsys, monkeypatch):
     from ctxext.adapters import ADAPTERS
 
+    import ctxext.commands.methods as command
+
     long = "yes: " + " ".join(f"word{i}" for i in range(60))
-    monkeypatch.setitem(ADAPTERS[0].methods, "pi", long)
+    table = command.method_table
+
+    def with_a_long_cell():
+        rows = table()
+        next(r for r in rows if r["method"] == "pi")[ADAPTERS[0].family] = long
+        return rows
+
+    monkeypatch.setattr(command, "method_table", with_a_long_cell)
     for argv in (["--why"], ["--family", ADAPTERS[0].family]):
         out = _methods(capsys, *argv)
         assert max(len(line) for line in out.splitlines()) <= 120

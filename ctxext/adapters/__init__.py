@@ -43,3 +43,8 @@ def adapter_for(model: nn.Module) -> Adapter:
 def config_length(config, attrs=("max_position_embeddings", "n_positions", "seq_length", "n_ctx")) -> int | None:
     """The context length a config advertises, from the first of ``attrs`` it sets: for a model no adapter claims."""
     return next((getattr(config, a) for a in attrs if getattr(config, a, None)), None)
+
+
+def adapter_for_family(family: str) -> Adapter | None:
+    """The adapter whose family key is ``family`` (as a saved patch spec records it), or None."""
+    return next((a for a in ADAPTERS if a.family == family), None)

@@ -33,9 +33,9 @@ import torch
 from torch import nn
 
 from ..compat import transformers as hf_compat
-from ..methods.remap import REMAP_METHODS
 from ..core.spec import PatchSpec
-from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, run_all
+from ..methods.declaration import Kind
+from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, declaration, run_all
 from .bloom import _active_transform, _hooks
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -43,7 +43,7 @@ Transform = Callable[[torch.Tensor], torch.Tensor]
 FALCON_FUNCTION = hf_compat.ALIBI_TENSOR_BUILDER
 MPT_METHOD = hf_compat.MPT_ALIBI_TENSOR_BUILDER
 
-NOT_ROTARY = {m: "not rotary (ALiBi biases)" for m in ("ntk", "dynamic-ntk", "yarn", "llama3", *REMAP_METHODS)}
+NOT_ROTARY = "not rotary (ALiBi biases)"
 
 
 def _divided(bias: torch.Tensor, factor: float) -> torch.Tensor:
@@ -53,20 +53,18 @@ def _divided(bias: torch.Tensor, factor: float) -> torch.Tensor:
 def bias_transform(spec: PatchSpec) -> Transform | None:
     """How a patch changes a built ALiBi tensor (None: unchanged). Module-level functions (a partial), which a deep
     copy and a pickle of the patched model keep as they are."""
-    if spec.method == "pi":
+    method = declaration(spec)
+    if method.interpolates:
         return functools.partial(_divided, factor=float(spec.factor))
-    if spec.method == "nope":
+    if method.kind is Kind.NONE:
         return torch.zeros_like
-    return None  # extrapolate
+    return None  # a longer length alone
 
 
 class _AlibiBiasAdapter(Adapter):
-    methods = {
-        "pi": "yes: ALiBi distances / f",
-        "extrapolate": "yes: advertise f x length",
-        "nope": "yes: ALiBi removed (bias x 0)",
-    }
-    unsupported = {"alibi": "already ALiBi", **NOT_ROTARY}
+    interpolation = "ALiBi distances / f"
+    kinds = {Kind.LENGTH: "advertise f x length", Kind.NONE: "ALiBi removed (bias x 0)"}
+    refusals = {Kind.BIAS: "already ALiBi", Kind.FREQUENCY: NOT_ROTARY, Kind.REMAP: NOT_ROTARY}
 
 
 # -- MPT -------------------------------------------------------------------------------------------------------------

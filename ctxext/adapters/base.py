@@ -12,8 +12,12 @@ from typing import Any
 from torch import nn
 
 from ..core.spec import PatchSpec
+from ..methods.declaration import Kind, Method
+from ..methods.registry import METHODS
 
 Restore = Callable[[], None]
+#: Why a method is refused where the family states nothing about its kind.
+NOT_IMPLEMENTED = "not implemented for this family"
 
 #: What a wrapper installed in place of a model's method takes over from it (``functools.update_wrapper``; it also
 #: gets ``__wrapped__``, which ``inspect.signature`` follows). Not the annotations: they may hold forward references,
@@ -22,32 +26,52 @@ WRAPPED_NAMES = ("__module__", "__name__", "__qualname__", "__doc__")
 
 
 class Adapter:
+    """One positional family. Support is stated by method kind (``ctxext.methods.declaration.Kind``) and declaration
+    attributes, never by method name, so a new method of a known kind needs no adapter change."""
+
     #: Short family key used in specs and the method table.
     family: str = ""
     #: Column title in the method table.
     title: str = ""
     #: Config attribute that advertises the context length (read by generate and lm-eval).
     length_attr: str | None = None
-    #: method -> what it does on this family (the table cell).
-    methods: dict[str, str] = {}
-    #: method -> why it does not apply (the table cell and the error message).
-    unsupported: dict[str, str] = {}
+    #: Kind -> what a method of that kind does on this family (the table cell after "yes: "); absent: not supported.
+    kinds: dict[Kind, str] = {}
+    #: What a method that divides every position by the factor (``Method.interpolates``) does here, for families
+    #: with no rotary frequencies to rescale (None: decided by its kind).
+    interpolation: str | None = None
+    #: Kind -> why methods of that kind do not apply (the table cell and the error message).
+    refusals: dict[Kind, str] = {}
+    #: Whether the native form is verified on the patched model itself (so an export check must patch first).
+    native_form_needs_patch: bool = False
 
     def detect(self, model: nn.Module) -> bool:
         raise NotImplementedError
 
-    def support(self, method: str) -> str:
+    def does(self, method: Method) -> str | None:
+        """What ``method`` does on this family, in a few words, or None where it does not apply."""
+        if method.interpolates and self.interpolation is not None:
+            return self.interpolation
+        return self.kinds.get(method.kind)
+
+    def refusal(self, method: Method) -> str:
+        """Why ``method`` does not apply to this family."""
+        return self.refusals.get(method.kind, NOT_IMPLEMENTED)
+
+    def support(self, method: str | Method) -> str:
         """The method-table cell: what ``method`` does on this family, or ``error: <why not>``."""
-        if method in self.methods:
-            return self.methods[method]
-        return "error: " + self.reason(method)
+        declared = _declared(method)
+        does = self.does(declared) if declared is not None else None
+        return "error: " + self.reason(method) if does is None else "yes: " + does
 
-    def reason(self, method: str) -> str:
+    def reason(self, method: str | Method) -> str:
         """Why ``method`` does not apply to this family (used in the table and in the PatchError)."""
-        return self.unsupported.get(method, "not implemented for this family")
+        declared = _declared(method)
+        return NOT_IMPLEMENTED if declared is None else self.refusal(declared)
 
-    def supports(self, method: str) -> bool:
-        return method in self.methods
+    def supports(self, method: str | Method) -> bool:
+        declared = _declared(method)
+        return declared is not None and self.does(declared) is not None
 
     def original_length(self, model: nn.Module) -> int | None:
         return getattr(model.config, self.length_attr, None) if self.length_attr else None
@@ -89,8 +113,8 @@ class Adapter:
 
     def native_form(self, model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
         """The transformers-native form of ``spec`` on ``model`` (``ctxext.core.native_form.NativeForm``), or raise
-        ``NoNativeForm`` saying why there is none (the default: none). Rotary models are verified in
-        ``ctxext.export``."""
+        ``NoNativeForm`` saying why there is none (the default: none). ``check_only``: ``model`` may be an unpatched
+        skeleton; families that verify their form on the patched model (``native_form_needs_patch``) ignore it."""
         from ..core.native_form import NoNativeForm, no_form_reason
 
         raise NoNativeForm(no_form_reason(spec.method, self.title))
@@ -111,6 +135,17 @@ class Adapter:
             if isinstance(module, nn.Embedding) and leaf in ("wpe", "embed_positions", "position_embeddings"):
                 return module.num_embeddings - int(getattr(module, "offset", 0))
         return None
+
+
+def _declared(method: str | Method) -> Method | None:
+    """The declaration of ``method`` (a name looked up in the registry at call time, so a method registered later
+    counts), or None for a name nobody declared."""
+    return method if isinstance(method, Method) else METHODS.get(method)
+
+
+def declaration(spec: PatchSpec) -> Method:
+    """The declaration of the method ``spec`` applies."""
+    return METHODS[spec.method]
 
 
 def run_all(undo: list[Restore]) -> None:

@@ -45,10 +45,10 @@ import torch
 from torch import nn
 
 from ..compat import transformers as hf_compat
-from ..methods import alibi
-from ..methods.remap import REMAP_METHODS
 from ..core.spec import PatchSpec
-from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, run_all
+from ..methods import alibi
+from ..methods.declaration import Kind
+from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, declaration, run_all
 
 #: The sequence length all BLOOM checkpoints were trained with.
 BLOOM_TRAINING_LENGTH = 2048
@@ -63,11 +63,12 @@ _active_transform: contextvars.ContextVar[SlopeTransform | None] = contextvars.C
 
 
 def slope_transform(spec: PatchSpec) -> SlopeTransform | None:
-    if spec.method == "pi":
+    method = declaration(spec)
+    if method.interpolates:
         return functools.partial(alibi.interpolated_slopes, factor=spec.factor)
-    if spec.method == "nope":
+    if method.kind is Kind.NONE:
         return alibi.no_slopes
-    return None  # extrapolate: slopes unchanged
+    return None  # a longer length alone: slopes unchanged
 
 
 class _Dispatcher:
@@ -165,12 +166,9 @@ class BloomAdapter(Adapter):
     family = "bloom"
     title = "BLOOM (ALiBi)"
     length_attr = "max_position_embeddings"
-    methods = {
-        "pi": "yes: ALiBi distances / f",
-        "extrapolate": "yes: advertise f x length",
-        "nope": "yes: ALiBi removed (slopes 0)",
-    }
-    unsupported = {"alibi": "already ALiBi", **{m: "not rotary" for m in ("ntk", "dynamic-ntk", "yarn", "llama3", *REMAP_METHODS)}}
+    interpolation = "ALiBi distances / f"
+    kinds = {Kind.LENGTH: "advertise f x length", Kind.NONE: "ALiBi removed (slopes 0)"}
+    refusals = {Kind.BIAS: "already ALiBi", Kind.FREQUENCY: "not rotary", Kind.REMAP: "not rotary"}
 
     def detect(self, model: nn.Module) -> bool:
         return alibi_owner(model) is not None
@@ -182,6 +180,14 @@ class BloomAdapter(Adapter):
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
         return BLOOM_TRAINING_LENGTH
+
+    def native_form(self, model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
+        """A longer length alone is native: ALiBi has no table to size, only the advertised length changes."""
+        from ..core.native_form import NativeForm
+
+        if declaration(spec).kind is Kind.LENGTH:
+            return NativeForm({}, summary="ALiBi unchanged, max_position_embeddings advertised")
+        return super().native_form(model, spec, check_only=check_only)
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
         transform = slope_transform(spec)

@@ -28,13 +28,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import require_attention, use_attention
-from ..methods import positions
-from ..methods.remap import REMAP_METHODS
 from ..core.spec import PatchSpec
-from .base import Adapter, Restore, run_all
+from ..methods.declaration import Kind
+from ..methods.positions import table_rule
+from .base import Adapter, Restore, declaration, run_all
 from .trainable_table import freeze_unused_weights, make_tables_trainable
-
-TABLE_METHODS = {"pi": positions.interpolate_table, "extrapolate": positions.extend_table}
 
 
 class PositionTable(nn.Module):
@@ -81,19 +79,16 @@ class GPT2Adapter(Adapter):
     family = "gpt2"
     title = "GPT-2 (learned absolute)"
     length_attr = "n_positions"
-    methods = {
-        "pi": "yes: wpe interpolated to f x rows",
-        "extrapolate": "yes: wpe extended (last row repeated)",
-        "alibi": "yes: wpe bypassed + ALiBi bias",
-        "nope": "yes: wpe bypassed",
-    }
-    unsupported = {m: "not rotary" for m in ("ntk", "dynamic-ntk", "yarn", "llama3", *REMAP_METHODS)}
+    interpolation = "wpe interpolated to f x rows"
+    kinds = {Kind.LENGTH: "wpe extended (last row repeated)", Kind.BIAS: "wpe bypassed + ALiBi bias",
+             Kind.NONE: "wpe bypassed"}
+    refusals = {Kind.FREQUENCY: "not rotary", Kind.REMAP: "not rotary"}
 
     def detect(self, model: nn.Module) -> bool:  # GPT-2's config names the length n_positions (GPT-Neo's does not)
         return position_owner(model) is not None and getattr(model.config, "n_positions", None) is not None
 
     def check(self, model: nn.Module, spec: PatchSpec) -> None:
-        if spec.method == "alibi":
+        if declaration(spec).kind is Kind.BIAS:
             require_attention(model)
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
@@ -101,16 +96,17 @@ class GPT2Adapter(Adapter):
         try:
             owner = position_owner(model)
             original = owner.wpe
-            if spec.method in TABLE_METHODS:
+            rule = table_rule(declaration(spec))
+            if rule is not None:
                 with torch.no_grad():
-                    table = TABLE_METHODS[spec.method](original.weight, spec.factor)
+                    table = rule(original.weight, spec.factor)
             else:
                 table = None
             replacement = PositionTable(original, table, spec.method)
             owner.wpe = replacement
             undo.append(functools.partial(setattr, owner, "wpe", original))
             undo.append(_keep_n_ctx_in_step(model.config, spec))
-            if spec.method == "alibi":
+            if declaration(spec).kind is Kind.BIAS:
                 undo.append(use_attention(model))
         except BaseException:
             run_all(undo)
@@ -175,16 +171,18 @@ def _keep_n_ctx_in_step(config, spec: PatchSpec) -> Restore:
 
 
 def native_form(model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
-    """``pi`` / ``extrapolate`` have an exact plain-GPT-2 form: ``wpe`` holding the method's table (``n_positions``
-    rows, the patched length, already advertised) for inputs up to that length. The original table is kept beside
-    the weights so ``ctxext.from_pretrained`` can re-apply the patch and ``unpatch`` restore it."""
+    """The methods with a table (``pi`` / ``extrapolate``: ``positions.table_rule``) have an exact plain-GPT-2 form:
+    ``wpe`` holding the method's table (``n_positions`` rows, the patched length, already advertised) for inputs up to
+    that length. The original table is kept beside the weights so ``ctxext.from_pretrained`` can re-apply the patch
+    and ``unpatch`` restore it."""
     from ..core.native_form import NativeForm, NoNativeForm
 
     owner = position_owner(model)
     wpe = getattr(owner, "wpe", None)
-    if check_only and spec.method in TABLE_METHODS:
+    has_table = table_rule(declaration(spec)) is not None
+    if check_only and has_table:
         return NativeForm({}, summary=f"wpe resized to {spec.patched_length} rows ({spec.method})")
-    if spec.method not in TABLE_METHODS or not isinstance(wpe, PositionTable) or wpe.table is None:
+    if not has_table or not isinstance(wpe, PositionTable) or wpe.table is None:
         raise NoNativeForm(
             f"method {spec.method!r} on GPT-2 (learned absolute) has no transformers-native form (a plain GPT-2 "
             "always adds a position table); only pi and extrapolate (a resized wpe) have one"

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..core.spec import PatchSpec
+from ..methods.declaration import Kind
 from .base import Restore, run_all
 from .gpt2 import GPT2Adapter, position_owner
 
@@ -48,13 +49,11 @@ class GPTNeoAdapter(GPT2Adapter):
     family = "gpt-neo"
     title = "GPT-Neo (learned absolute + causal-mask buffers)"
     length_attr = "max_position_embeddings"
-    methods = {
-        "pi": "yes: wpe interpolated to f x rows, masks rebuilt",
-        "extrapolate": "yes: wpe extended (last row repeated), masks rebuilt",
-        "nope": "yes: wpe bypassed, masks rebuilt to f x length",
-    }
-    unsupported = {**GPT2Adapter.unsupported,
-                   "alibi": "GPT-Neo's attention is its own eager code, not AttentionInterface: no ALiBi swap"}
+    interpolation = "wpe interpolated to f x rows, masks rebuilt"
+    kinds = {Kind.LENGTH: "wpe extended (last row repeated), masks rebuilt",
+             Kind.NONE: "wpe bypassed, masks rebuilt to f x length"}
+    refusals = {**GPT2Adapter.refusals,
+                Kind.BIAS: "GPT-Neo's attention is its own eager code, not AttentionInterface: no ALiBi swap"}
 
     def detect(self, model: nn.Module) -> bool:
         return position_owner(model) is not None and bool(mask_layers(model))

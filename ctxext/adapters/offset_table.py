@@ -29,13 +29,12 @@ import torch
 from torch import nn
 
 from ..attention import require_attention, use_attention
-from ..methods import positions
-from ..methods.remap import REMAP_METHODS
 from ..core.spec import PatchSpec
-from .base import Adapter, Restore, run_all
+from ..methods.declaration import Kind
+from ..methods.positions import table_rule
+from .base import Adapter, Restore, declaration, run_all
 from .trainable_table import freeze_unused_weights, make_tables_trainable
 
-TABLE_METHODS = {"pi": positions.interpolate_table, "extrapolate": positions.extend_table}
 NAME = "embed_positions"
 #: rows a zero table claims to have (a stride-0 view of one row): longer than any input
 UNBOUNDED = 2**40
@@ -45,18 +44,15 @@ class OffsetTable(nn.Module):
     """Stands in for a patched ``embed_positions``: same ``weight`` parameter, the original forward run on the
     method's table."""
 
-    def __init__(self, original: nn.Embedding, table: torch.Tensor, method: str):
+    def __init__(self, original: nn.Embedding, table: torch.Tensor, method: str, zeros: bool):
         super().__init__()
         self.weight = original.weight  # the original parameter, so the state dict is unchanged
         self.method = method
+        self.zeros = zeros  # one zero row seen at every position (the method keeps no table)
         self.offset = int(getattr(original, "offset", 0))
         self.embedding_dim = original.embedding_dim
         self.register_buffer("table", table, persistent=False)
         self.__dict__["original"] = original  # not a submodule: no second copy of the weight in the state dict
-
-    @property
-    def zeros(self) -> bool:
-        return self.method not in TABLE_METHODS
 
     @property
     def num_embeddings(self) -> int:
@@ -99,10 +95,11 @@ def tables(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
 def _method_table(original: nn.Embedding, spec: PatchSpec) -> torch.Tensor:
     offset = int(getattr(original, "offset", 0))
     weight = original.weight.detach()
-    if spec.method not in TABLE_METHODS:  # nope / alibi: one zero row, seen at every position
+    rule = table_rule(declaration(spec))
+    if rule is None:  # nope / alibi: one zero row, seen at every position
         return weight.new_zeros(1, weight.shape[1])
     with torch.no_grad():
-        rows = TABLE_METHODS[spec.method](weight[offset:], spec.factor or 1)
+        rows = rule(weight[offset:], spec.factor or 1)
         return torch.cat([weight[:offset], rows]).clone()
 
 
@@ -110,28 +107,26 @@ class OffsetTableAdapter(Adapter):
     family = "offset-table"
     title = "OPT-style (learned absolute, embed_positions)"
     length_attr = "max_position_embeddings"
-    methods = {
-        "pi": "yes: embed_positions interpolated to f x rows",
-        "extrapolate": "yes: embed_positions extended (last row repeated)",
-        "alibi": "yes: embed_positions zeroed + ALiBi bias",
-        "nope": "yes: embed_positions zeroed",
-    }
-    unsupported = {m: "not rotary" for m in ("ntk", "dynamic-ntk", "yarn", "llama3", *REMAP_METHODS)}
+    interpolation = "embed_positions interpolated to f x rows"
+    kinds = {Kind.LENGTH: "embed_positions extended (last row repeated)",
+             Kind.BIAS: "embed_positions zeroed + ALiBi bias", Kind.NONE: "embed_positions zeroed"}
+    refusals = {Kind.FREQUENCY: "not rotary", Kind.REMAP: "not rotary"}
 
     def detect(self, model: nn.Module) -> bool:
         return bool(tables(model))
 
     def check(self, model: nn.Module, spec: PatchSpec) -> None:
-        if spec.method == "alibi":
+        if declaration(spec).kind is Kind.BIAS:
             require_attention(model)
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
         undo: list[Restore] = []
         try:
+            zeros = table_rule(declaration(spec)) is None
             for owner, original in tables(model):
-                setattr(owner, NAME, OffsetTable(original, _method_table(original, spec), spec.method))
+                setattr(owner, NAME, OffsetTable(original, _method_table(original, spec), spec.method, zeros))
                 undo.append(functools.partial(setattr, owner, NAME, original))
-            if spec.method == "alibi":
+            if declaration(spec).kind is Kind.BIAS:
                 undo.append(use_attention(model))
         except BaseException:
             run_all(undo)
@@ -178,10 +173,11 @@ class OffsetTableAdapter(Adapter):
         from ..core.native_form import NativeForm, NoNativeForm
 
         summary = f"embed_positions resized to {spec.patched_length} positions ({spec.method})"
-        if check_only and spec.method in TABLE_METHODS:
+        has_table = table_rule(declaration(spec)) is not None
+        if check_only and has_table:
             return NativeForm({}, summary=summary)
         found = [(o, t) for o, t in tables(model) if isinstance(t, OffsetTable)]
-        if spec.method not in TABLE_METHODS or not found:
+        if not has_table or not found:
             raise NoNativeForm(
                 f"method {spec.method!r} on {self.title} has no transformers-native form (the model always adds "
                 "its position table); only pi and extrapolate (a resized table) have one"

@@ -2,9 +2,9 @@
 
 The integration surface for the registry and the rotary adapter:
 
-- ``REMAP_METHODS``: method name -> ``registry.Method`` (summary, options, ``needs_factor=False``), to merge into
-  ``registry.METHODS``. Options whose default depends on the factor are declared optional with default None and
-  resolved by ``ctxext.methods.remap`` from the original length and the factor.
+- ``REMAP_METHODS``: method name -> declaration (``Kind.REMAP``; summary, options, ``needs_factor=False``), declared
+  beside the maps in ``ctxext.methods.remap`` and re-exported here. Options whose default depends on the factor are
+  declared optional with default None and resolved from the original length and the factor.
 - ``check_remap(model, method, factor, options, original_length=None)``: raises ``PatchError`` before anything is
   touched (bad options, a model that is not rotary, a rotary variant this cannot rotate, attention features the
   function would drop: sinks other than one logit per head, sliding windows in every layer or past the trained

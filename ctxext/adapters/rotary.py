@@ -6,13 +6,14 @@ Those modules compute cos/sin as ``position * inv_freq`` scaled by ``attention_s
 only rewrites ``inv_freq`` in place and sets ``attention_scaling``: the attention path (sdpa, flash) is untouched.
 
 Models that ship scaled RoPE (rope types ``linear``, ``yarn``, ``llama3``, ``longrope``: Llama 3.1-3.3, Qwen2.5 with
-its YaRN config, Phi-3 ...): the scaling methods (``COMPOSE_METHODS``) compose on the frequencies the module uses,
-with the advertised ``max_position_embeddings`` as the original length (``unit_inputs``); the attention factor is
-the shipped one times the method's. ``longrope`` switches between a short and a long set by sequence length in
-every forward; the method rewrites the long set (``long_inv_freq``) and the switch stays. The methods that replace
-the rotation (NoPE, the ALiBi swap) or remap its positions (the attention-remap methods) keep the model's own rotation
-on the static types (``linear``, ``yarn``, ``llama3``): its frequencies and attention factor. ``dynamic`` rope types
-recompute ``inv_freq`` in every forward and are refused, as are those methods on ``longrope``.
+its YaRN config, Phi-3 ...): the frequency methods and a longer length alone compose on the frequencies the module
+uses (``ctxext.adapters.rotary_compose``), with the advertised ``max_position_embeddings`` as the original length
+(``unit_inputs``); the attention factor is the shipped one times the method's. ``longrope`` switches between a short
+and a long set by sequence length in every forward; the method rewrites the long set (``long_inv_freq``) and the
+switch stays. The methods that replace the rotation (NoPE, the ALiBi swap) or remap its positions (the
+attention-remap methods) keep the model's own rotation on the static types (``linear``, ``yarn``, ``llama3``): its
+frequencies and attention factor. ``dynamic`` rope types recompute ``inv_freq`` in every forward and are refused, as
+are those methods on ``longrope``.
 """
 
 from __future__ import annotations
@@ -26,24 +27,37 @@ from torch import nn
 
 from ..attention import require_attention, use_attention
 from ..core.errors import PatchError
-from ..methods import nope, rope
-from ..methods.remap import REMAP_METHODS
 from ..core.spec import PatchSpec
-from .base import WRAPPED_NAMES, Adapter, Restore, run_all
+from ..methods import nope, rope
+from ..methods.declaration import Kind, Method
+from ..methods.registry import METHODS
+from . import rotary_native
+from .base import WRAPPED_NAMES, Adapter, Restore, declaration, run_all
 from .rotary_units import RotaryUnit, _unit_saver, rotary_units, unit_inputs, unread_surface
 
-#: Static methods: spec.method -> function(RopeInputs, factor, **options) -> (inv_freq, attention_factor).
+
+def static_rule(method: Method) -> Callable | None:
+    """How a rotary module carries ``method`` when its frequencies are fixed for every sequence:
+    ``(RopeInputs, factor, **options) -> (inv_freq, attention_factor)``; None for per-sequence and remap methods.
+    A frequency method brings its own function; a longer length alone keeps the frequencies; NoPE and the ALiBi swap
+    disable rotary by an identity rotation (inv_freq = 0): the module and the attention kernel stay, and ALiBi adds
+    its bias in the ``ctxext_alibi`` attention function."""
+    if method.kind is Kind.FREQUENCY:
+        return None if method.per_sequence else method.frequencies
+    return {Kind.LENGTH: rope.identity, Kind.NONE: nope.identity_rotation,
+            Kind.BIAS: nope.identity_rotation}.get(method.kind)
+
+
+#: Static methods: spec.method -> function(RopeInputs, factor, **options) -> (inv_freq, attention_factor), for the
+#: methods registered at import (``rule_of`` derives one for a method registered later).
 STATIC_METHODS: dict[str, Callable] = {
-    "pi": rope.position_interpolation,
-    "ntk": rope.ntk_scale,
-    "yarn": rope.yarn,
-    "llama3": rope.llama3,
-    "extrapolate": rope.identity,
-    # NoPE and the ALiBi swap disable rotary by an identity rotation (inv_freq = 0): the module and the attention
-    # kernel stay; ALiBi then adds its bias in the ``ctxext_alibi`` attention function.
-    "nope": nope.identity_rotation,
-    "alibi": nope.identity_rotation,
+    name: rule for name, rule in ((m.name, static_rule(m)) for m in METHODS.values()) if rule is not None
 }
+
+
+def rule_of(method: Method) -> Callable | None:
+    """The static rule of ``method``: the table's entry (which a test may replace), else derived from its kind."""
+    return STATIC_METHODS.get(method.name) or static_rule(method)
 
 
 @dataclass
@@ -73,10 +87,13 @@ class DynamicNTKHook:
     """
 
     def __init__(self, targets: list[tuple[RotaryUnit, rope.RopeInputs]], factor: float,
-                 sequence: SequenceScale | None = None):
+                 sequence: SequenceScale | None = None, frequencies: Callable = rope.dynamic_ntk_scale,
+                 options: dict | None = None):
         self.targets = targets  # the module's frequency sets (one, or one per layer type) and their inputs
         self.inputs = targets[0][1]
         self.factor = factor
+        self.frequencies = frequencies  # (RopeInputs, factor, seq_len, **options) -> (inv_freq, attention_factor)
+        self.options = dict(options or {})
         self.sequence = sequence or SequenceScale()
         self._applied: int | None = None
 
@@ -95,7 +112,7 @@ class DynamicNTKHook:
         target = max(seq.length, self.inputs.original_length)
         if target != self._applied:
             for unit, inputs in self.targets:
-                inv_freq, _ = rope.dynamic_ntk_scale(inputs, self.factor, target)
+                inv_freq, _ = self.frequencies(inputs, self.factor, target, **self.options)
                 unit.inv_freq.copy_(inv_freq)
             self._applied = target
         return None
@@ -185,23 +202,19 @@ class RotaryAdapter(Adapter):
     family = "rotary"
     title = "LLaMA-family (rotary)"
     length_attr = "max_position_embeddings"
-    methods = {
-        "pi": "yes: frequencies / factor",
-        "ntk": "yes: base * factor^(d/(d-2))",
-        "dynamic-ntk": "yes: scale from sequence length",
-        "yarn": "yes: NTK-by-parts + mscale",
-        "llama3": "yes: Llama 3.1 by wavelength",
-        "extrapolate": "yes: frequencies unchanged",
-        "alibi": "yes: rotary off + ALiBi bias",
-        "nope": "yes: rotary off (identity rotation)",
-        # attention-side position remapping (ctxext.adapters.remap): rotary off, q and k rotated per pair
-        "self-extend": "yes: grouped positions beyond a window",
-        "dca": "yes: chunked positions (intra / successive / inter-chunk)",
-        "rerope": "yes: distance clipped at a window",
-        "lm-infinite": "yes: Lambda mask + distance cap",
-        "streaming-llm": "yes: sink tokens + recent window, positions in the cache",
-        "string": "yes: large distances shifted down",
+    kinds = {
+        Kind.LENGTH: "frequencies unchanged",
+        Kind.BIAS: "rotary off + ALiBi bias",
+        Kind.NONE: "rotary off (identity rotation)",
     }
+    native_form_needs_patch = True  # verified against transformers' rotary class built from the native config
+
+    def does(self, method: Method) -> str | None:
+        # the kinds that act on rotary positions are this family's own: each method says what it does
+        # (attention-side remapping: ctxext.adapters.remap, rotary off and q / k rotated per pair)
+        if method.kind in (Kind.FREQUENCY, Kind.REMAP):
+            return method.rule
+        return super().does(method)
 
     def plan_length(self, model: nn.Module, length: int) -> Restore | None:
         return _plan_length(model, length)
@@ -221,15 +234,17 @@ class RotaryAdapter(Adapter):
             reason = unread_surface(unit)
             if reason:
                 raise PatchError(f"rotary module {unit.name} of {type(model).__name__}: {reason}; refused")
-        if spec.method == "alibi":
+        kind = declaration(spec).kind
+        if kind is Kind.BIAS:
             require_attention(model)
-        if spec.method in REMAP_METHODS:
+        if kind is Kind.REMAP:
             from .remap import check_remap  # imports this module
 
             check_remap(model, spec.method, spec.factor, spec.options, spec.original_length)
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
-        if spec.method in REMAP_METHODS:
+        method = declaration(spec)
+        if method.kind is Kind.REMAP:
             from .remap import apply_remap
 
             return apply_remap(model, spec.method, spec.factor, spec.options, spec.original_length)
@@ -239,10 +254,10 @@ class RotaryAdapter(Adapter):
             for unit in rotary_units(model):
                 inputs = unit_inputs(unit, spec.original_length, spec.method)
                 undo.append(_unit_saver(unit))
-                if spec.method == "dynamic-ntk":
+                if method.per_sequence:
                     dynamic.setdefault(id(unit.module), (unit.module, []))[1].append((unit, inputs))
                     continue
-                inv_freq, attention_factor = STATIC_METHODS[spec.method](inputs, spec.factor, **spec.options)
+                inv_freq, attention_factor = rule_of(method)(inputs, spec.factor, **spec.options)
                 if inputs.preset == "longrope":
                     # transformers copies the short (original_inv_freq) or the long set into inv_freq in every
                     # forward, by sequence length: the method acts on the long set, the switch stays
@@ -256,21 +271,26 @@ class RotaryAdapter(Adapter):
                     inputs.attention_scaling * attention_factor
             hooks, sequence = [], SequenceScale()
             for module, targets in dynamic.values():
-                hook = DynamicNTKHook(targets, spec.factor, sequence)
+                hook = DynamicNTKHook(targets, spec.factor, sequence, method.frequencies, spec.options)
                 handle = module.register_forward_pre_hook(hook, with_kwargs=True)
                 module._ctxext_dynamic = hook
                 hooks.append(hook)
                 undo.append(functools.partial(_remove_hook, module, handle))
             if hooks:
                 undo.append(_mark_model_passes(model, sequence))
-            if spec.method == "dynamic-ntk":
+            if method.per_sequence:
                 undo.append(_wrap_generate(model))
-            if spec.method == "alibi":
+            if method.kind is Kind.BIAS:
                 undo.append(use_attention(model))
         except BaseException:
             run_all(undo)
             raise
         return functools.partial(run_all, undo)
+
+    def native_form(self, model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
+        """A rope type, a new rope_theta or the longer length alone, verified against transformers' own rotary
+        class built from the native config (``ctxext.adapters.rotary_native``); ``check_only`` is not enough here."""
+        return rotary_native.native_form(model, spec, self.title)
 
 
 def positions_not_rotary(model: nn.Module) -> str | None:

@@ -12,8 +12,8 @@ from torch import nn
 
 from ..core.errors import PatchError
 from ..methods import rope
-from ..methods.remap import REMAP_METHODS
 from .base import Restore
+from .rotary_compose import preset_refusal
 
 
 def _is_number(value) -> bool:
@@ -203,46 +203,6 @@ def unread_surface(unit: RotaryUnit) -> str | None:
     return None
 
 
-#: Shipped (transformers) rope types whose frequencies ctxext's methods compose on, and the methods that compose.
-#: ``dynamic`` types recompute their frequencies from the sequence length in every forward, so they are refused.
-COMPOSE_PRESETS = ("linear", "yarn", "llama3", "longrope")
-COMPOSE_METHODS = ("pi", "ntk", "yarn", "llama3", "extrapolate", "dynamic-ntk")
-#: Methods that replace the rotation (NoPE, the ALiBi swap) or remap the positions it is applied at (the attention
-#: remap methods). On a static scaled type they keep the model's own rotation: its shipped frequencies and attention
-#: factor, at the remapped positions (NoPE / ALiBi: at none, the attention factor kept as a logit temperature).
-ROTATION_METHODS = ("nope", "alibi", *REMAP_METHODS)
-
-
-def preset_refusal(kind: str, method: str | None) -> str | None:
-    """Why ``method`` cannot compose on a module that ships rope type ``kind`` (None: it composes)."""
-    if kind == "default":
-        return None
-    if "dynamic" in kind:
-        return (f"uses transformers rope_type {kind!r}, which recomputes its frequencies from the sequence length in "
-                "every forward (dynamic_rope_update), so a patch of its buffers would be overwritten at run time; "
-                "load the model with rope_parameters rope_type='default' to patch it")
-    if kind not in COMPOSE_PRESETS:
-        return (f"uses transformers rope_type {kind!r}; ctxext composes its methods only on plain RoPE and on the "
-                f"rope types {', '.join(COMPOSE_PRESETS)}")
-    if method is None:
-        return (f"already uses transformers rope_type {kind!r}; this ctxext path starts from plain RoPE. Load the "
-                "model with rope_parameters rope_type='default' to use it")
-    if method in ROTATION_METHODS and kind == "longrope":
-        return (f"already uses transformers rope_type 'longrope', which switches between a short and a long frequency "
-                f"set by sequence length in every forward; method {method!r} replaces or remaps one rotation and "
-                "has none to keep there (methods that compose on it: "
-                f"{', '.join(m for m in COMPOSE_METHODS if m != 'dynamic-ntk')}); load the model with "
-                "rope_parameters rope_type='default' to use it")
-    if method not in COMPOSE_METHODS and method not in ROTATION_METHODS:
-        return (f"already uses transformers rope_type {kind!r}; ctxext does not know how method {method!r} composes "
-                f"on it (methods that do: {', '.join(COMPOSE_METHODS + ROTATION_METHODS)})")
-    if kind == "longrope" and method == "dynamic-ntk":
-        return ("already uses transformers rope_type 'longrope', which switches its frequencies by sequence length "
-                "itself; dynamic-ntk would be overwritten by that switch (use a static method: "
-                f"{', '.join(m for m in COMPOSE_METHODS if m != 'dynamic-ntk')})")
-    return None
-
-
 def _rope_init_function(kind: str):
     try:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -289,9 +249,9 @@ def long_frequencies(unit: RotaryUnit) -> torch.Tensor:
 
 def unit_inputs(unit: RotaryUnit, original_length: int, method: str | None = None) -> rope.RopeInputs:
     """The frequencies ``method`` starts from on ``unit``: plain RoPE (checked against base**(-2i/d)), or the
-    frequencies a shipped scaled rope type (``COMPOSE_PRESETS``) actually uses, checked against transformers' own
-    init function for that type (for ``longrope`` its long set), with the shipped attention factor. PatchError where
-    ``method`` does not compose on the unit's rope type (``method=None``: plain RoPE only)."""
+    frequencies a shipped scaled rope type (``rotary_compose.compose_presets``) actually uses, checked against
+    transformers' own init function for that type (for ``longrope`` its long set), with the shipped attention factor.
+    PatchError where ``method`` does not compose on the unit's rope type (``method=None``: plain RoPE only)."""
     kind = unit.rope_type
     reason = preset_refusal(kind, method)
     if reason:

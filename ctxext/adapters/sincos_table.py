@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from ..core.errors import PatchError
-from ..methods import rope
-from ..methods.remap import REMAP_METHODS
 from ..core.spec import PatchSpec
-from .base import Adapter, Restore, run_all
+from ..methods import rope
+from ..methods.declaration import Kind, Method
+from .base import Adapter, Restore, declaration, run_all
 from .gpt2 import _keep_n_ctx_in_step
-from .rotary import STATIC_METHODS  # the same frequency rules as rotary modules
+from .rotary import rule_of  # the same frequency rules as rotary modules
 
 #: The rope base GPT-J and CodeGen hard-code (their configs have no field for it).
 BASE = 10000.0
@@ -71,19 +71,18 @@ class SinCosTableAdapter(Adapter):
     family = "sincos"
     title = "GPT-J / CodeGen (rotary sin-cos table)"
     length_attr = "n_positions"
-    methods = {
-        "pi": "yes: table of frequencies / factor",
-        "ntk": "yes: table of base * factor^(d/(d-2))",
-        "yarn": "yes: table of NTK-by-parts, x mscale",
-        "llama3": "yes: table of Llama 3.1 frequencies",
-        "nope": "yes: table of sin 0, cos 1",
-        "extrapolate": "yes: table extended, same frequencies",
-    }
-    unsupported = {
-        "dynamic-ntk": "the sin-cos table is fixed, not scaled per sequence length",
-        "alibi": NO_ATTENTION_INTERFACE,
-        **{m: NO_ATTENTION_INTERFACE for m in REMAP_METHODS},
-    }
+    kinds = {Kind.NONE: "table of sin 0, cos 1", Kind.LENGTH: "table extended, same frequencies"}
+    refusals = {Kind.BIAS: NO_ATTENTION_INTERFACE, Kind.REMAP: NO_ATTENTION_INTERFACE}
+
+    def does(self, method: Method) -> str | None:
+        if method.kind is Kind.FREQUENCY and not method.per_sequence:
+            return "table of " + method.described_as_table
+        return super().does(method)
+
+    def refusal(self, method: Method) -> str:
+        if method.per_sequence:
+            return "the sin-cos table is fixed, not scaled per sequence length"
+        return super().refusal(method)
 
     def detect(self, model: nn.Module) -> bool:
         return bool(table_modules(model))
@@ -112,7 +111,7 @@ class SinCosTableAdapter(Adapter):
             original = getattr(table_modules(model)[0][1], TABLE)
             dim = original.shape[1]
             inputs = rope.RopeInputs(plain_inv_freq(dim), BASE, dim, spec.original_length)
-            inv_freq, attention_factor = STATIC_METHODS[spec.method](inputs, spec.factor, **spec.options)
+            inv_freq, attention_factor = rule_of(declaration(spec))(inputs, spec.factor, **spec.options)
             rows = max(original.shape[0], spec.patched_length or 0)
             table = sincos_table(inv_freq, rows, attention_factor)
             for _, module in table_modules(model):
@@ -148,11 +147,12 @@ def _put_back(module: nn.Module, original: torch.Tensor) -> None:
 
 
 def native_form(model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
-    """Only ``extrapolate`` has a native form: the longer ``n_positions`` alone (already advertised), from which a
-    plain load builds exactly the patched table. Verified against the modeling module's own table function."""
+    """Only a longer length alone (``extrapolate``) has a native form: the longer ``n_positions`` (already
+    advertised), from which a plain load builds exactly the patched table. Verified against the modeling module's own
+    table function."""
     from ..core.native_form import NativeForm, NoNativeForm
 
-    if spec.method != "extrapolate":
+    if declaration(spec).kind is not Kind.LENGTH:
         raise NoNativeForm(
             f"method {spec.method!r} on GPT-J / CodeGen (rotary sin-cos table) has no transformers-native form: the "
             "config has no rope scaling field (transformers always builds the table from n_positions with base "

@@ -92,7 +92,7 @@ def prepare(args):
     skeleton = model_skeleton(source, gguf_file=args.gguf_file)
     spec, adapter = build_spec(skeleton, info.name, factor, **options)
     try:
-        if adapter.family == "rotary":  # verified against transformers on the patched frequencies (real buffers)
+        if adapter.native_form_needs_patch:  # verified on the patched model (real buffers: rotary frequencies)
             patch(skeleton, info.name, factor, **options)
             native_form(skeleton)
         else:  # the weights are not loaded yet: whether a form exists is known from the method

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 import textwrap
 
-from ..methods.registry import METHODS, format_method_table, method_table
+from ..adapters.table import format_method_table, method_table
+from ..methods.registry import METHODS
 
 #: Width of the text output: a terminal's, so that no line wraps.
 WIDTH = 120

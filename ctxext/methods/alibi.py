@@ -15,6 +15,8 @@ import math
 
 import torch
 
+from .declaration import Kind, Method
+
 
 def _geometric(base_exponent: float, powers: torch.Tensor) -> torch.Tensor:
     base = torch.full((), 2.0 ** base_exponent, dtype=torch.float32)
@@ -57,3 +59,14 @@ def alibi_bias(slopes: torch.Tensor, query_positions: torch.Tensor, key_position
     """
     distance = (query_positions[:, None] - key_positions[None, :]).to(torch.float32)
     return -slopes.to(torch.float32)[:, None, None] * distance
+
+
+# -- declaration (collected by ctxext.methods.registry) ---------------------------------------------------------------
+
+ALIBI = Method(
+    "alibi",
+    "ALiBi swap: the positional encoding replaced by ALiBi linear attention biases (factor optional: "
+    "advertise factor x the length)",
+    Kind.BIAS,
+    needs_factor=False,
+)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .declaration import Kind, Method
 from .rope import RopeInputs
 
 
@@ -13,3 +14,14 @@ def identity_rotation(r: RopeInputs, factor: float | None = None) -> tuple[torch
     The rotary module and the attention kernel (sdpa, flash) stay as they are; only the angles vanish.
     """
     return torch.zeros_like(r.inv_freq), 1.0
+
+
+# -- declaration (collected by ctxext.methods.registry) ---------------------------------------------------------------
+
+NOPE = Method(
+    "nope",
+    "NoPE ablation: the positional encoding removed, only the causal mask orders tokens (factor optional: "
+    "advertise factor x the length)",
+    Kind.NONE,
+    needs_factor=False,
+)

@@ -17,7 +17,11 @@ Positions past the end of either table (longer than the advertised length) are c
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+from .declaration import Kind, Method
 
 
 def table_rows(n: int, factor: float) -> int:
@@ -46,3 +50,12 @@ def extend_table(weight: torch.Tensor, factor: float) -> torch.Tensor:
     rows = table_rows(n, factor)
     index = torch.arange(rows, device=weight.device).clamp(max=n - 1)
     return weight.detach()[index].clone()
+
+
+def table_rule(method: Method) -> Callable[[torch.Tensor, float], torch.Tensor] | None:
+    """How a learned position table carries ``method``: interpolated where it divides positions by the factor,
+    extended where only the length grows, None where the method keeps no table (the positional signal removed or
+    replaced by a bias)."""
+    if method.interpolates:
+        return interpolate_table
+    return extend_table if method.kind is Kind.LENGTH else None

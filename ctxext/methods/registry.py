@@ -1,7 +1,9 @@
-"""The method registry: names, aliases, options, and which architecture family supports which method.
+"""The method index: every method's declaration, collected from the module that holds its functions, and the
+checks of a patch request against a declaration (name, factor, options).
 
-The method x family table is data: adapters declare the methods they implement, and ``method_table()``
-derives the table that ``ctxext methods`` prints and the README shows.
+Each method is declared once, beside its functions (``ctxext.methods.rope``, ``alibi``, ``nope``, ``remap``), with a
+kind that adapters read to decide support (the method x family table that ``ctxext methods`` prints is asked of the
+adapters: ``ctxext.adapters.table``).
 """
 
 from __future__ import annotations
@@ -11,56 +13,16 @@ import numbers
 from typing import Any
 
 from ..core.errors import PatchError
-from .declaration import Method, Option
+from .alibi import ALIBI
+from .declaration import Method
+from .nope import NOPE
 from .remap import REMAP_METHODS
+from .rope import EXTRAPOLATE, FREQUENCY_METHODS
 
-
+#: Every method by name, in the order of the method table.
 METHODS: dict[str, Method] = {
-    m.name: m
-    for m in [
-        Method("pi", "position interpolation: positions divided by the factor", aliases=("linear",)),
-        Method("ntk", "static NTK-aware scaling: rope base * factor^(d/(d-2))"),
-        Method(
-            "dynamic-ntk",
-            "NTK scaling that grows with the sequence length past the original length",
-            aliases=("dynamic",),
-        ),
-        Method(
-            "yarn",
-            "YaRN: NTK-by-parts interpolation with attention temperature",
-            options={
-                "beta_fast": Option(32.0, float, "rotations above which a dimension is kept"),
-                "beta_slow": Option(1.0, float, "rotations below which a dimension is interpolated"),
-                "attention_factor": Option(None, float, "mscale; default 0.1*ln(factor)+1", optional=True),
-                "mscale": Option(None, float, "DeepSeek-style mscale numerator", optional=True),
-                "mscale_all_dim": Option(None, float, "DeepSeek-style mscale denominator", optional=True),
-                "truncate": Option(True, bool, "round the ramp bounds to whole dimensions"),
-            },
-        ),
-        Method(
-            "llama3",
-            "Llama 3.1 frequency-dependent interpolation",
-            options={
-                "low_freq_factor": Option(1.0, float, "wavelengths above L0/low are interpolated"),
-                "high_freq_factor": Option(4.0, float, "wavelengths below L0/high are kept"),
-            },
-        ),
-        Method(
-            "alibi",
-            "ALiBi swap: the positional encoding replaced by ALiBi linear attention biases (factor optional: "
-            "advertise factor x the length)",
-            needs_factor=False,
-        ),
-        Method(
-            "nope",
-            "NoPE ablation: the positional encoding removed, only the causal mask orders tokens (factor optional: "
-            "advertise factor x the length)",
-            needs_factor=False,
-        ),
-        Method("extrapolate", "advertise factor x the length, positions unchanged (GPT-2: table extended)"),
-    ]
+    m.name: m for m in (*FREQUENCY_METHODS, ALIBI, NOPE, EXTRAPOLATE, *REMAP_METHODS.values())
 }
-METHODS.update(REMAP_METHODS)  # attention-side position remapping, declared beside its position maps
 
 ALIASES: dict[str, str] = {alias: m.name for m in METHODS.values() for alias in m.aliases}
 
@@ -181,31 +143,3 @@ def _coerce(method: str, key: str, value: Any, kind: type) -> Any:
     if isinstance(number, float) and not math.isfinite(number):
         raise PatchError(f"option {key!r} of method {method!r} must be finite, got {value!r}")
     return number
-
-
-def method_table(adapters=None) -> list[dict[str, str]]:
-    """One row per method: for each family, 'yes' or why not."""
-    from ..adapters import ADAPTERS
-
-    adapters = ADAPTERS if adapters is None else adapters
-    rows = []
-    for m in METHODS.values():
-        row = {"method": m.name, "summary": m.summary}
-        for adapter in adapters:
-            row[adapter.family] = adapter.support(m.name)
-        rows.append(row)
-    return rows
-
-
-def format_method_table(markdown: bool = False) -> str:
-    from ..adapters import ADAPTERS
-
-    header = ["method"] + [a.title for a in ADAPTERS]
-    body = [[r["method"]] + [r[a.family] for a in ADAPTERS] for r in method_table()]
-    if markdown:
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(f"`{c}`" if i == 0 else c for i, c in enumerate(row)) + " |" for row in body]
-        return "\n".join(lines)
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
-    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in body])

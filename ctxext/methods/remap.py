@@ -4,22 +4,8 @@ STRING.
 A rotary model scores a query at position i against a key at position j with ``R(i) q . R(j) k``, which only
 depends on the relative position ``i - j``. The training-free methods here change which relative position each
 query-key pair sees, piecewise: true distances near the diagonal, remapped (grouped, clipped, shifted, capped)
-distances further away. A ``PositionMap`` says that in a form attention can run without a (T x T) position tensor:
-
-- ``rotations``: K pairs of position functions ``(query_position(i), key_position(j))``. Rotation c rotates every
-  query by ``query_position(i)`` and every key by ``key_position(j)``, so one matmul scores all pairs under it.
-- ``select(i, j)``: which rotation a pair uses (an int8 index), or -1 where the method masks the pair.
-
-so that ``score(i, j) = (R(qpos_c(i)) q_i) . (R(kpos_c(j)) k_j)`` with ``c = select(i, j)``. Positions are absolute
-token positions (0 = the first real token of a row); rotary positions may be floats. ``near`` says that every pair
-with ``0 <= i - j < near`` uses rotation 0, whose positions are the true ones: attention over such pairs only is
-plain RoPE attention (the fast path); ``plain_below`` says the same of every pair whose query position is below it
-(DCA: the first chunk and the local window after it). ``query_scale`` optionally multiplies each query (ReRoPE's
-log-length scaling).
-
-Why this form: with K small (2 for every method here) a chunk of queries costs K score matmuls and a select,
-never a per-pair rotation; and a rotation's query and key positions only depend on i and j respectively, so keys
-are rotated once per forward pass. A table of relative positions per pair would not fit in memory at 16k tokens.
+distances further away. Each says so as a ``PositionMap`` (``ctxext.methods.position_map``: a few rotations and
+which one each pair uses), a form attention runs without a (T x T) position tensor.
 
 Each function takes the model's original (trained) length ``original_length`` and an optional ``factor`` (the
 length to advertise is ``factor x original_length``), fills the paper's defaults for that target length, checks
@@ -31,138 +17,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..core.errors import PatchError
-from .declaration import Method, Option
-
-Positions = Callable[[torch.Tensor], torch.Tensor]
-
-
-def _same(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def _zero(x: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(x)
-
-
-@dataclass(frozen=True)
-class Rotation:
-    """Rotary positions of one rotation: ``query(i)`` for queries at absolute positions i, ``key(j)`` for keys."""
-
-    query: Positions = _same
-    key: Positions = _same
-
-    @property
-    def is_identity(self) -> bool:
-        return self.query is _same and self.key is _same
-
-
-IDENTITY = Rotation()
-
-
-@dataclass(frozen=True)
-class KeySplit:
-    """A two-rotation map as key ranges per query (``select`` restated for a full pass over positions 0 .. T-1):
-    the query at i sees keys ``near_start(i) .. i`` under rotation 0 and keys ``0 .. min(near_start(i),
-    far_keys) - 1`` under rotation 1; every other key is masked. ``near_start(i) <= i`` (a query always sees
-    itself), and ``far_keys`` None means no far key is masked. Each range is a contiguous run of keys, which is
-    what a fused attention kernel takes (``ctxext.attention.lse.split_attention``)."""
-
-    #: (T,) int64 query positions -> (T,) int64, the first key each query sees under rotation 0
-    near_start: Callable[[torch.Tensor], torch.Tensor]
-    #: how many leading keys rotation 1 may reach (sinks, global tokens); None: all keys before ``near_start``
-    far_keys: int | None = None
-
-
-def _band_start(window: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``near_start`` of a band: keys closer than ``window`` at rotation 0."""
-
-    def near_start(i: torch.Tensor) -> torch.Tensor:
-        return (i - window + 1).clamp(min=0)
-
-    return near_start
-
-
-@dataclass(frozen=True)
-class PositionMap:
-    """Which rotation each (query, key) pair uses; see the module docstring."""
-
-    method: str
-    rotations: tuple[Rotation, ...]
-    #: (i, j) -> int8 rotation index per pair, -1 = masked by the method; i and j broadcast (e.g. (B, q, 1), (B, 1, k))
-    select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-    #: every pair with 0 <= i - j < near uses rotations[0], which is the identity (math.inf: the whole map is)
-    near: float = 0
-    #: optional per-query multiplier from the query's absolute position (ReRoPE's log-length scaling)
-    query_scale: Callable[[torch.Tensor], torch.Tensor] | None = None
-    #: the resolved options (defaults filled in), for the patch spec
-    options: dict[str, Any] = field(default_factory=dict)
-    #: every pair (0 <= j <= i) whose query position i is below this uses rotations[0] (0: no such promise)
-    plain_below: float = 0
-    #: the map's key ranges for fused attention kernels (``KeySplit``; None: not declared). A full pass under it
-    #: runs as a few fused calls merged by log-sum-exp (``ctxext.attention.lse``) instead of per-pair selection
-    split: KeySplit | None = None
-
-    @property
-    def is_identity(self) -> bool:
-        return self.near == math.inf and self.query_scale is None
-
-    def relative(self, i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        """The relative rotary position each pair sees (float64, NaN where masked). For inspection and tests."""
-        i, j = torch.broadcast_tensors(i, j)
-        which = self.select(i, j)
-        out = torch.full(i.shape, math.nan, dtype=torch.float64)
-        for c, rot in enumerate(self.rotations):
-            rel = rot.query(i).double() - rot.key(j).double()
-            out = torch.where(which == c, rel, out)
-        return out
-
-
-def identity_map(method: str, options: dict[str, Any] | None = None) -> PositionMap:
-    """Every pair at its true position: the unpatched model."""
-    return PositionMap(method, (IDENTITY,), _all_near, math.inf, None, dict(options or {}))
-
-
-def _all_near(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-    return torch.zeros(torch.broadcast_shapes(i.shape, j.shape), dtype=torch.int8, device=i.device)
-
-
-def _window_select(window: int, far: int = 1) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Rotation 0 for pairs closer than ``window``, rotation ``far`` for the rest."""
-
-    def select(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        return torch.where((i - j) < window, 0, far).to(torch.int8)
-
-    return select
-
-
-# ----------------------------------------------------------------------------------------------------- options
-
-
-def target_length(original_length: int, factor: float | None) -> int:
-    """The length a patch advertises: ``round(factor x original_length)``, or the original length."""
-    return int(round(original_length * factor)) if factor is not None else int(original_length)
-
-
-def _int(method: str, key: str, value: Any, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
-        raise PatchError(f"option {key!r} of method {method!r} must be a whole number >= {minimum}, got {value!r}")
-    if int(value) < minimum:
-        raise PatchError(f"option {key!r} of method {method!r} must be >= {minimum}, got {int(value)}")
-    return int(value)
-
-
-def _larger_than_needed(method: str, key: str, value: int, needed: int, what: str) -> None:
-    if value > needed:
-        raise PatchError(
-            f"option {key}={value} of method {method!r} is larger than needed: the patch advertises {needed} "
-            f"tokens, so {what}. Pass {key} <= {needed} (or a larger factor)"
-        )
+from .declaration import Kind, Method, Option
+from .position_map import (IDENTITY, KeySplit, PositionMap, Rotation, _all_near, _band_start, _int, _larger_than_needed,
+                           _same, _window_select, _zero, identity_map, target_length)
 
 
 # ------------------------------------------------------------------------------------------------- self-extend
@@ -457,17 +319,6 @@ def string(original_length: int, factor: float | None = None, shift: int | None 
                        split=KeySplit(_band_start(shift)))
 
 
-#: method name -> position-map builder(original_length, factor, **options)
-MAPS: dict[str, Callable[..., PositionMap]] = {
-    "self-extend": self_extend,
-    "dca": dca,
-    "rerope": rerope,
-    "lm-infinite": lm_infinite,
-    "streaming-llm": streaming_llm,
-    "string": string,
-}
-
-
 def build_map(method: str, original_length: int, factor: float | None = None, **options: Any) -> PositionMap:
     """The position map of ``method`` for a model trained to ``original_length``; PatchError for bad options."""
     if method not in MAPS:
@@ -480,26 +331,11 @@ def build_map(method: str, original_length: int, factor: float | None = None, **
         raise PatchError(f"bad option for method {method!r}: {e}") from None
 
 
-__all__ = [
-    "IDENTITY",
-    "MAPS",
-    "REMAP_METHODS",
-    "PositionMap",
-    "Rotation",
-    "build_map",
-    "dca",
-    "identity_map",
-    "lm_infinite",
-    "rerope",
-    "self_extend",
-    "streaming_llm",
-    "string",
-    "suggest_self_extend",
-    "target_length",
-]
+__all__ = ["IDENTITY", "MAPS", "REMAP_METHODS", "PositionMap", "Rotation", "build_map", "dca", "identity_map",
+           "lm_infinite", "rerope", "self_extend", "streaming_llm", "string", "suggest_self_extend", "target_length"]
 
 
-# -- declarations: one per method (collected by ctxext.methods.registry.METHODS) --------------------------------------------
+# -- declarations: one per method (collected by ctxext.methods.registry) ---------------------------------------------
 
 _DERIVED = "default: derived from the factor (see ctxext.methods.remap)"
 
@@ -512,6 +348,9 @@ REMAP_METHODS: dict[str, Method] = {
             "self-extend",
             "Self-Extend: true positions within a neighbour window, grouped (floor-divided) positions beyond it "
             "(factor optional: the length to advertise and to pick group/window for)",
+            Kind.REMAP,
+            rule="grouped positions beyond a window",
+            position_map=self_extend,
             needs_factor=False,
             scales_with_factor=True,
             options={
@@ -523,6 +362,9 @@ REMAP_METHODS: dict[str, Method] = {
             "dca",
             "Dual Chunk Attention (ChunkLlama): keys at position mod chunk size; intra-chunk, successive-chunk "
             "(local window) and inter-chunk query positions, one softmax (factor optional: the length to advertise)",
+            Kind.REMAP,
+            rule="chunked positions (intra / successive / inter-chunk)",
+            position_map=dca,
             needs_factor=False,
             scales_with_factor=True,
             options={
@@ -536,6 +378,9 @@ REMAP_METHODS: dict[str, Method] = {
             "rerope",
             "ReRoPE: relative distance clipped at a window (leaky: slope 1/k beyond it), queries log-length "
             "scaled (factor optional: the length to advertise)",
+            Kind.REMAP,
+            rule="distance clipped at a window",
+            position_map=rerope,
             needs_factor=False,
             scales_with_factor=True,
             options={
@@ -550,6 +395,9 @@ REMAP_METHODS: dict[str, Method] = {
             "lm-infinite",
             "LM-Infinite: Lambda-shaped attention (window + first tokens), distance capped at the original length "
             "(factor optional: the length to advertise)",
+            Kind.REMAP,
+            rule="Lambda mask + distance cap",
+            position_map=lm_infinite,
             needs_factor=False,
             scales_with_factor=True,
             options={
@@ -561,6 +409,9 @@ REMAP_METHODS: dict[str, Method] = {
             "streaming-llm",
             "StreamingLLM: a cache of attention-sink first tokens + a recent window, positions by place in the cache "
             "(factor optional: the length to advertise)",
+            Kind.REMAP,
+            rule="sink tokens + recent window, positions in the cache",
+            position_map=streaming_llm,
             needs_factor=False,
             scales_with_factor=True,
             options={
@@ -573,6 +424,9 @@ REMAP_METHODS: dict[str, Method] = {
             "string",
             "STRING: relative positions >= shift moved down by shift - local, overwriting rarely trained "
             "positions (factor optional: the length to advertise and to pick the shift for)",
+            Kind.REMAP,
+            rule="large distances shifted down",
+            position_map=string,
             needs_factor=False,
             scales_with_factor=True,
             options={
@@ -583,3 +437,6 @@ REMAP_METHODS: dict[str, Method] = {
         ),
     ]
 }
+
+#: method name -> position-map builder(original_length, factor, **options)
+MAPS: dict[str, Callable[..., PositionMap]] = {m.name: m.position_map for m in REMAP_METHODS.values()}

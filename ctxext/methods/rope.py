@@ -19,6 +19,9 @@ frequency, so each method has one meaning on any starting set:
 * ``yarn`` / ``llama3``: the ramp is decided by each frequency's wavelength against ``original_length`` (for
   ``yarn`` through the index a plain-RoPE frequency of that wavelength would have, see ``yarn``);
 * ``extrapolate``: frequencies unchanged.
+
+Each method is declared at the end of the module (its kind, options, rule in words and transformers-native form),
+beside its function; ``ctxext.methods.registry`` collects the declarations.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from .declaration import Kind, Method, NativeRope, Option
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,11 @@ def ntk_scale(r: RopeInputs, factor: float) -> tuple[torch.Tensor, float]:
     (the highest frequency, i = 0, is kept; the lowest, i = d/2 - 1, is divided by ``factor``).
     """
     return _scaled(r, factor ** (-_pair_index(r) / (r.dim - 2))), 1.0
+
+
+def ntk_base(base: float, factor: float, dim: int) -> float:
+    """The rope base static NTK-aware scaling amounts to on plain RoPE (its transformers-native form)."""
+    return base * factor ** (dim / (dim - 2))
 
 
 def dynamic_ntk_scale(r: RopeInputs, factor: float, seq_len: int) -> tuple[torch.Tensor, float]:
@@ -155,3 +165,50 @@ def llama3(
 def identity(r: RopeInputs, factor: float | None = None) -> tuple[torch.Tensor, float]:
     """Frequencies unchanged (``extrapolate``: only the advertised length grows)."""
     return r.inv_freq.clone(), 1.0
+
+
+# -- declarations: one per method (collected by ctxext.methods.registry) ---------------------------------------------
+
+PI = Method(
+    "pi", "position interpolation: positions divided by the factor", Kind.FREQUENCY, aliases=("linear",),
+    rule="frequencies / factor", interpolates=True, frequencies=position_interpolation,
+    native=NativeRope("linear"),
+)
+NTK = Method(
+    "ntk", "static NTK-aware scaling: rope base * factor^(d/(d-2))", Kind.FREQUENCY,
+    rule="base * factor^(d/(d-2))", frequencies=ntk_scale, native=NativeRope(theta=ntk_base),
+)
+DYNAMIC_NTK = Method(
+    "dynamic-ntk", "NTK scaling that grows with the sequence length past the original length", Kind.FREQUENCY,
+    aliases=("dynamic",), rule="scale from sequence length", frequencies=dynamic_ntk_scale, per_sequence=True,
+    native=NativeRope("dynamic", keeps_original_length=True),
+)
+YARN = Method(
+    "yarn", "YaRN: NTK-by-parts interpolation with attention temperature", Kind.FREQUENCY,
+    options={
+        "beta_fast": Option(32.0, float, "rotations above which a dimension is kept"),
+        "beta_slow": Option(1.0, float, "rotations below which a dimension is interpolated"),
+        "attention_factor": Option(None, float, "mscale; default 0.1*ln(factor)+1", optional=True),
+        "mscale": Option(None, float, "DeepSeek-style mscale numerator", optional=True),
+        "mscale_all_dim": Option(None, float, "DeepSeek-style mscale denominator", optional=True),
+        "truncate": Option(True, bool, "round the ramp bounds to whole dimensions"),
+    },
+    rule="NTK-by-parts + mscale", table_rule="NTK-by-parts, x mscale", frequencies=yarn,
+    native=NativeRope("yarn", ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"),
+                      names_original_length=True),
+)
+LLAMA3 = Method(
+    "llama3", "Llama 3.1 frequency-dependent interpolation", Kind.FREQUENCY,
+    options={
+        "low_freq_factor": Option(1.0, float, "wavelengths above L0/low are interpolated"),
+        "high_freq_factor": Option(4.0, float, "wavelengths below L0/high are kept"),
+    },
+    rule="Llama 3.1 by wavelength", table_rule="Llama 3.1 frequencies", frequencies=llama3,
+    native=NativeRope("llama3", ("low_freq_factor", "high_freq_factor"), names_original_length=True),
+)
+EXTRAPOLATE = Method(
+    "extrapolate", "advertise factor x the length, positions unchanged (GPT-2: table extended)", Kind.LENGTH,
+)
+
+#: The frequency methods, in the order of the method table.
+FREQUENCY_METHODS = (PI, NTK, DYNAMIC_NTK, YARN, LLAMA3)
