@@ -35,7 +35,7 @@ from torch import nn
 from ..compat import transformers as hf_compat
 from ..core.spec import PatchSpec
 from ..methods.declaration import Kind
-from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, declaration, run_all
+from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, declaration, run_all, undone_on_failure
 from .bloom import _active_transform, _hooks
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -153,12 +153,8 @@ class FalconAlibiAdapter(_AlibiBiasAdapter):
         if transform is None:
             return lambda: None
         owner, modeling = falcon_alibi_owner(model)
-        undo: list[Restore] = []
-        try:
+        with undone_on_failure() as undo:
             # released by unpatch, or when the model is garbage-collected without one
             undo.append(weakref.finalize(owner, _acquire(modeling)))
             undo.append(_hooks(owner, transform))
-        except BaseException:
-            run_all(undo)
-            raise
         return functools.partial(run_all, undo)

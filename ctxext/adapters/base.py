@@ -12,10 +12,10 @@ from typing import Any
 from torch import nn
 
 from ..core.spec import PatchSpec
+from ..core.undo import Restore, run_all, undone_on_failure  # noqa: F401  the adapters' undo lists
 from ..methods.declaration import Kind, Method
 from ..methods.registry import METHODS
 
-Restore = Callable[[], None]
 #: Why a method is refused where the family states nothing about its kind.
 NOT_IMPLEMENTED = "not implemented for this family"
 
@@ -146,12 +146,6 @@ def _declared(method: str | Method) -> Method | None:
 def declaration(spec: PatchSpec) -> Method:
     """The declaration of the method ``spec`` applies."""
     return METHODS[spec.method]
-
-
-def run_all(undo: list[Restore]) -> None:
-    """Run undo steps in reverse order."""
-    for step in reversed(undo):
-        step()
 
 
 def acquire_module_function(modeling, attr: str, make: Callable, registry: dict) -> Restore:

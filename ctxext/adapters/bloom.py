@@ -48,7 +48,7 @@ from ..compat import transformers as hf_compat
 from ..core.spec import PatchSpec
 from ..methods import alibi
 from ..methods.declaration import Kind
-from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, declaration, run_all
+from .base import WRAPPED_NAMES, Adapter, Restore, acquire_module_function, declaration, run_all, undone_on_failure
 
 #: The sequence length all BLOOM checkpoints were trained with.
 BLOOM_TRAINING_LENGTH = 2048
@@ -194,15 +194,11 @@ class BloomAdapter(Adapter):
         if transform is None:
             return lambda: None
         owner, modeling = alibi_owner(model)
-        undo: list[Restore] = []
-        try:
+        with undone_on_failure() as undo:
             if modeling is None:
                 undo.append(_wrap_build_alibi_tensor(owner, transform))
                 return functools.partial(run_all, undo)
             # released by unpatch, or when the model is garbage-collected without one
             undo.append(weakref.finalize(owner, _acquire(modeling)))
             undo.append(_hooks(owner, transform))
-        except BaseException:
-            run_all(undo)
-            raise
         return functools.partial(run_all, undo)

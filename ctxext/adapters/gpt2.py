@@ -31,7 +31,7 @@ from ..attention import require_attention, use_attention
 from ..core.spec import PatchSpec
 from ..methods.declaration import Kind
 from ..methods.positions import table_rule
-from .base import Adapter, Restore, declaration, run_all
+from .base import Adapter, Restore, declaration, run_all, undone_on_failure
 from .trainable_table import freeze_unused_weights, make_tables_trainable
 
 
@@ -92,8 +92,7 @@ class GPT2Adapter(Adapter):
             require_attention(model)
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
-        undo: list[Restore] = []
-        try:
+        with undone_on_failure() as undo:
             owner = position_owner(model)
             original = owner.wpe
             rule = table_rule(declaration(spec))
@@ -108,9 +107,6 @@ class GPT2Adapter(Adapter):
             undo.append(_keep_n_ctx_in_step(model.config, spec))
             if declaration(spec).kind is Kind.BIAS:
                 undo.append(use_attention(model))
-        except BaseException:
-            run_all(undo)
-            raise
         return functools.partial(run_all, undo)
 
 

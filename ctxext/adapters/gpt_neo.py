@@ -17,7 +17,7 @@ from torch import nn
 
 from ..core.spec import PatchSpec
 from ..methods.declaration import Kind
-from .base import Restore, run_all
+from .base import Restore, run_all, undone_on_failure
 from .gpt2 import GPT2Adapter, position_owner
 
 
@@ -65,12 +65,8 @@ class GPTNeoAdapter(GPT2Adapter):
         """Every method this adapter lists applies; nothing to check against the model."""
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
-        undo: list[Restore] = [super().apply(model, spec)]
-        try:
+        with undone_on_failure([super().apply(model, spec)]) as undo:
             set_masks(model, spec.patched_length or spec.original_length, undo)
-        except BaseException:
-            run_all(undo)
-            raise
         return functools.partial(run_all, undo)
 
     def position_limit(self, model: nn.Module) -> int | None:

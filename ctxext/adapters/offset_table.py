@@ -32,7 +32,7 @@ from ..attention import require_attention, use_attention
 from ..core.spec import PatchSpec
 from ..methods.declaration import Kind
 from ..methods.positions import table_rule
-from .base import Adapter, Restore, declaration, run_all
+from .base import Adapter, Restore, declaration, run_all, undone_on_failure
 from .trainable_table import freeze_unused_weights, make_tables_trainable
 
 NAME = "embed_positions"
@@ -120,17 +120,13 @@ class OffsetTableAdapter(Adapter):
             require_attention(model)
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
-        undo: list[Restore] = []
-        try:
+        with undone_on_failure() as undo:
             zeros = table_rule(declaration(spec)) is None
             for owner, original in tables(model):
                 setattr(owner, NAME, OffsetTable(original, _method_table(original, spec), spec.method, zeros))
                 undo.append(functools.partial(setattr, owner, NAME, original))
             if declaration(spec).kind is Kind.BIAS:
                 undo.append(use_attention(model))
-        except BaseException:
-            run_all(undo)
-            raise
         return functools.partial(run_all, undo)
 
     def position_limit(self, model: nn.Module) -> int | None:

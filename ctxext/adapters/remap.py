@@ -32,7 +32,7 @@ from ..attention import can_use_attention, use_attention
 from ..core.errors import PatchError
 from ..methods.remap import REMAP_METHODS, PositionMap, build_map, identity_map, target_length
 from ..attention.remap import PROBE, PROBE_ATTR, REMAP, STATE_ATTR, RemapState
-from .base import Restore, run_all
+from .base import Restore, run_all, undone_on_failure
 from .rotary_units import _unit_saver, original_rotation, rotary_units, unit_inputs
 
 def _original_length(model: nn.Module, original_length: int | None) -> int:
@@ -216,8 +216,7 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
     length = _original_length(model, original_length)
     attention = attention_modules(model)
     target = target_length(length, factor)
-    undo: list[Restore] = []
-    try:
+    with undone_on_failure() as undo:
         layout = _layout(model)
         rotation_of = _rotations(model, length, method)
         # copied before the rotation is switched off below (4.x modules alias original_inv_freq to inv_freq)
@@ -240,9 +239,6 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
             setattr(module, STATE_ATTR, state)
             undo.append(functools.partial(_drop_state, module))
         undo.append(use_attention(model, REMAP))
-    except BaseException:
-        run_all(undo)
-        raise
     return functools.partial(run_all, undo)
 
 

@@ -32,7 +32,7 @@ from ..methods import nope, rope
 from ..methods.declaration import Kind, Method
 from ..methods.registry import METHODS
 from . import rotary_native
-from .base import WRAPPED_NAMES, Adapter, Restore, declaration, run_all
+from .base import WRAPPED_NAMES, Adapter, Restore, declaration, run_all, undone_on_failure
 from .rotary_units import RotaryUnit, _unit_saver, rotary_units, unit_inputs, unread_surface
 
 
@@ -248,8 +248,7 @@ class RotaryAdapter(Adapter):
             from .remap import apply_remap
 
             return apply_remap(model, spec.method, spec.factor, spec.options, spec.original_length)
-        undo: list[Restore] = []
-        try:
+        with undone_on_failure() as undo:
             dynamic: dict[int, tuple[nn.Module, list]] = {}
             for unit in rotary_units(model):
                 inputs = unit_inputs(unit, spec.original_length, spec.method)
@@ -282,9 +281,6 @@ class RotaryAdapter(Adapter):
                 undo.append(_wrap_generate(model))
             if method.kind is Kind.BIAS:
                 undo.append(use_attention(model))
-        except BaseException:
-            run_all(undo)
-            raise
         return functools.partial(run_all, undo)
 
     def native_form(self, model: nn.Module, spec: PatchSpec, *, check_only: bool = False):

@@ -28,7 +28,7 @@ from ..core.errors import PatchError
 from ..core.spec import PatchSpec
 from ..methods import rope
 from ..methods.declaration import Kind, Method
-from .base import Adapter, Restore, declaration, run_all
+from .base import Adapter, Restore, declaration, run_all, undone_on_failure
 from .gpt2 import _keep_n_ctx_in_step
 from .rotary import rule_of  # the same frequency rules as rotary modules
 
@@ -106,8 +106,7 @@ class SinCosTableAdapter(Adapter):
                                  f"(base {BASE:g} sin | cos); refused")
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
-        undo: list[Restore] = []
-        try:
+        with undone_on_failure() as undo:
             original = getattr(table_modules(model)[0][1], TABLE)
             dim = original.shape[1]
             inputs = rope.RopeInputs(plain_inv_freq(dim), BASE, dim, spec.original_length)
@@ -121,9 +120,6 @@ class SinCosTableAdapter(Adapter):
                 module.__dict__[ORIGINAL] = before
                 undo.append(functools.partial(_put_back, module, before))
             undo.append(_keep_n_ctx_in_step(model.config, spec))
-        except BaseException:
-            run_all(undo)
-            raise
         return functools.partial(run_all, undo)
 
     def position_limit(self, model: nn.Module) -> int | None:

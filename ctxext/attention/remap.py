@@ -424,8 +424,8 @@ def probe_attention_forward(module: nn.Module, query, key, value, attention_mask
     vars(module).setdefault(PROBE_ATTR, []).append(key.detach().float().clone())
     # sdpa has no soft-capping or sinks (and refuses softcap): the probe compares keys, which they do not change,
     # and leaves them out of both of its passes alike
-    kwargs.pop("softcap", None)
-    kwargs.pop("s_aux", None)
+    for dropped in ("softcap", "s_aux"):
+        kwargs.pop(dropped, None)
     return _SDPA(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -446,6 +446,5 @@ def _register() -> None:
 
 
 _register()
-
 
 __all__ = ["CHUNK_BYTES", "PROBE", "REMAP", "STATE_ATTR", "RemapState", "remap_attention_forward", "rotate"]

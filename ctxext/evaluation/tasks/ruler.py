@@ -19,8 +19,6 @@ Where ctxext differs from RULER, and why:
 
 from __future__ import annotations
 
-import functools
-import math
 import random
 import re
 import string

@@ -1,0 +1,32 @@
+"""Undo lists: the steps that put a model back as it was, run newest first, and a context that runs them when a
+patch fails halfway, so that a refused or broken patch leaves nothing behind.
+
+The steps stay a plain list (not a ``contextlib.ExitStack``) because a patched model's deep copy rebuilds its undo
+steps through ``adapters.base.copy_restore``, which walks lists, partials and closures; an ExitStack keeps its
+callbacks in a private deque that a deep copy would copy as shared functions, so the copy would undo the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+Restore = Callable[[], None]
+
+
+def run_all(undo: list[Restore]) -> None:
+    """Run undo steps in reverse order."""
+    for step in reversed(undo):
+        step()
+
+
+@contextlib.contextmanager
+def undone_on_failure(undo: list[Restore] | None = None) -> Iterator[list[Restore]]:
+    """``with undone_on_failure() as undo:`` collects undo steps; if the block raises (anything, KeyboardInterrupt
+    included), the steps collected so far run before the exception goes on."""
+    undo = [] if undo is None else undo
+    try:
+        yield undo
+    except BaseException:
+        run_all(undo)
+        raise
