@@ -66,7 +66,7 @@ def native_form(model: nn.Module, spec: PatchSpec | None = None, *, check_only: 
     from .adapters import find_adapter
     from .core.active import base_model, describe
 
-    model = base_model(model, "ctxext.core.native_form")
+    model = base_model(model, "ctxext.export.native_form")
     if spec is None:
         active = describe(model)
         if active is None:
