@@ -7,6 +7,7 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -51,3 +52,20 @@ def test_lora_layers_are_known_by_class():
     assert not _is_linear(nn.Embedding(4, 3))
     named_alike = type("Conv1D", (nn.Module,), {})  # shares the name only: peft could not adapt it either
     assert not _is_linear(named_alike())
+
+
+def test_an_unpatched_alibi_model_takes_a_pose_target_past_its_training_length():
+    """BLOOM's 2048 is where it was trained, not a limit on its positions (ALiBi has no table): PoSE may aim past it,
+    as it could before the family answered the length; a learned table still caps the target."""
+    from types import SimpleNamespace
+
+    from ctxext.finetune.config import RecipeError
+    from ctxext.finetune.train import _pose_target
+
+    def recipe(target):
+        return SimpleNamespace(train=SimpleNamespace(pose=SimpleNamespace(target_length=target)))
+
+    assert _pose_target(recipe(8192), None, tiny_bloom(), 512) == 8192
+    gpt2 = tiny_gpt2()
+    with pytest.raises(RecipeError, match="past the"):
+        _pose_target(recipe(gpt2.config.n_positions * 2), None, gpt2, 16)

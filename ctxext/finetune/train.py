@@ -159,8 +159,13 @@ def _pose_target(recipe: Recipe, spec: dict | None, model, seq_length: int) -> i
     """PoSE's target length (train.pose.target_length, else the patched length), checked against the window and
     against the length the patched model advertises: positions past it would index past a learned position table
     (GPT-2's ``wpe``; ctxext's patched table clamps them) or train a rotary model where no patch put them."""
+    from ..adapters import config_length
+
     pose = recipe.train.pose
-    advertised = (int(spec["patched_length"]) if spec and spec.get("patched_length") else _advertised_length(model))
+    # Unpatched, the cap is the length the config itself advertises (a rotary model's, a position table's); not
+    # the family's training length, which BLOOM / MPT state without a position limit (ALiBi positions are unbounded)
+    advertised = (int(spec["patched_length"]) if spec and spec.get("patched_length")
+                  else config_length(model.config, ("max_position_embeddings", "n_positions")))
     target = pose.target_length or (int(spec["patched_length"]) if spec and spec.get("patched_length") else None)
     if target is None:
         raise RecipeError("train.pose.target_length is required: the patch gives no target length for this model")
