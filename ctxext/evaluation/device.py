@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -57,3 +57,35 @@ def move_model(model, device: str, state):
 
 def is_distributed_launch() -> bool:
     return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def map_over_processes(items: Sequence[Any], work: Callable[[list[Any]], list[Any]], *, state=None,
+                       batch_size: int = 1, progress: bool = True, desc: str = "", unit: str = "it") -> list[Any]:
+    """``work`` over ``items``, in batches of ``batch_size``, split between the processes of ``state`` (an
+    accelerate ``PartialState``; each takes a contiguous share); every process returns all results, in item order.
+
+    ``work`` takes a list of items and returns one result per item. The progress bar (main process only) counts
+    every process's items, assuming the shares move at the same pace."""
+    from tqdm.auto import tqdm
+
+    indexed = list(enumerate(items))
+    processes = state.num_processes if state is not None else 1
+    if processes > 1:
+        with state.split_between_processes(indexed) as mine:
+            mine = list(mine)
+    else:
+        mine = indexed
+    is_main = state is None or state.is_main_process
+    done: list[tuple[int, Any]] = []
+    bar = tqdm(total=len(indexed), desc=desc, unit=unit, disable=not (progress and is_main), leave=False)
+    for lo in range(0, len(mine), batch_size):
+        batch = mine[lo : lo + batch_size]
+        done += zip((index for index, _ in batch), work([item for _, item in batch]), strict=True)
+        bar.update(len(batch) * processes)
+    bar.close()
+    if processes > 1:
+        from accelerate.utils import gather_object
+
+        done = gather_object(done)
+    done.sort(key=lambda d: d[0])
+    return [result for _, result in done]

@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
+from .device import map_over_processes
 from .perplexity import _forward_rows, _input_device, _window_nll
 from .windows import Window, plan_windows
 
@@ -62,27 +63,16 @@ def token_nll(model, items: Sequence[tuple[int, torch.Tensor, Window]], sizes: S
     """Per document (``sizes`` = their token counts), every scored target's NLL (NaN where no window scored it).
 
     ``items``: (document number, ids, window). With several processes the windows are split and gathered."""
-    from tqdm.auto import tqdm
-
-    indexed = list(enumerate(items))
-    distributed = state is not None and state.num_processes > 1
-    if distributed:
-        with state.split_between_processes(indexed) as mine:
-            mine = list(mine)
-    else:
-        mine = indexed
     device = _input_device(model)
-    found = []
-    is_main = state is None or state.is_main_process
-    for _, (number, ids, w) in tqdm(mine, desc=desc, unit="win", disable=not (progress and is_main), leave=False):
+
+    def work(batch):
+        (number, ids, w), = batch
         rows = _forward_rows(model, ids[w.begin : w.end].unsqueeze(0).to(device), w.n_targets + 1)
         each = torch.empty(w.n_targets, dtype=torch.float64)
         _window_nll(rows, 0, ids, w, each=each)
-        found.append((number, w.first_target, each))
-    if distributed:
-        from accelerate.utils import gather_object
+        return [(number, w.first_target, each)]
 
-        found = gather_object(found)
+    found = map_over_processes(items, work, state=state, progress=progress, desc=desc, unit="win")
     out = [torch.full((n,), float("nan"), dtype=torch.float64) for n in sizes]
     for number, start, values in found:
         out[number][start : start + values.numel()] = values

@@ -14,6 +14,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .device import map_over_processes
+
 PREFIX = (
     "There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
     "I will quiz you about the important information there.\n"
@@ -87,23 +89,14 @@ def passkey_accuracy(
 
     With an accelerate ``PartialState`` of several processes the trials are split between them.
     """
-    from tqdm.auto import tqdm
-
     if trials < 1:
         raise ValueError(f"passkey trials must be >= 1, got {trials}")
     answer = _answer_tokens(tokenizer)
-    items = [(d, t) for d in depths for t in range(trials)]
-    distributed = state is not None and state.num_processes > 1
-    if distributed:
-        with state.split_between_processes(list(enumerate(items))) as mine:
-            mine = list(mine)
-    else:
-        mine = list(enumerate(items))
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    is_main = state is None or state.is_main_process
-    outcomes = []
-    for index, (depth, trial) in tqdm(mine, desc=f"passkey L={length}", disable=not (progress and is_main), leave=False):
+
+    def work(batch):
+        (depth, trial), = batch
         key = draw_passkey(seed, length, depth, trial)
         ids = torch.tensor([build_prompt(tokenizer, length, depth, key, answer)], device=device)
         out = model.generate(
@@ -111,23 +104,21 @@ def passkey_accuracy(
             num_beams=1, pad_token_id=pad,
         )
         text = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
-        outcomes.append((index, depth, key, first_number(text), ids.shape[1]))
-    if distributed:
-        from accelerate.utils import gather_object
+        return [(depth, key, first_number(text), ids.shape[1])]
 
-        outcomes = gather_object(outcomes)
-    outcomes.sort(key=lambda o: o[0])
+    outcomes = map_over_processes([(d, t) for d in depths for t in range(trials)], work, state=state,
+                                  progress=progress, desc=f"passkey L={length}")
     per_depth = {}
     for depth in depths:
-        hits = [o[3] == o[2] for o in outcomes if o[1] == depth]
+        hits = [got == key for d, key, got, _ in outcomes if d == depth]
         per_depth[f"{depth:g}"] = sum(hits) / len(hits)
-    correct = sum(o[3] == o[2] for o in outcomes)
+    correct = sum(got == key for _, key, got, _ in outcomes)
     return {
         "accuracy": correct / len(outcomes),
         "correct": correct,
         "trials": len(outcomes),
         "depths": per_depth,
-        "prompt_tokens": max(o[4] for o in outcomes),
+        "prompt_tokens": max(o[3] for o in outcomes),
         "length": length,
         "seed": seed,
     }

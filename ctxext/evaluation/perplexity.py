@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from .device import map_over_processes
 from .windows import Window, check_protocol, plan_windows
 
 #: Positions whose cross-entropy is computed at once (bounds the float32 copy of the logits).
@@ -179,37 +180,18 @@ def score_windows(
     With ``state`` (an accelerate ``PartialState``) of several processes, each process scores a
     contiguous share and the shares are gathered on every process.
     """
-    from tqdm.auto import tqdm
-
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    indexed = list(enumerate(items))
-    distributed = state is not None and state.num_processes > 1
-    if distributed:
-        with state.split_between_processes(indexed) as mine:
-            mine = list(mine)
-    else:
-        mine = indexed
-    is_main = state is None or state.is_main_process
     device = _input_device(model)
-    scores: list[tuple[int, tuple[float, int, float, int]]] = []
-    bar = tqdm(total=len(indexed), desc=desc, unit="win", disable=not (progress and is_main), leave=False)
-    for lo in range(0, len(mine), batch_size):
-        batch = mine[lo : lo + batch_size]
-        input_ids = torch.stack([ids[w.begin : w.end] for _, (ids, w) in batch]).to(device)
-        keep = max(w.n_targets for _, (_, w) in batch) + 1
-        rows = _forward_rows(model, input_ids, keep)
-        for item, (index, (ids, w)) in enumerate(batch):
-            scores.append((index, _window_nll(rows, item, ids, w, None if keys is None else keys[index])))
-        del rows
-        bar.update(len(batch) * (state.num_processes if distributed else 1))
-    bar.close()
-    if distributed:
-        from accelerate.utils import gather_object
 
-        scores = gather_object(scores)
-    scores.sort(key=lambda s: s[0])
-    return [s for _, s in scores]
+    def work(batch):
+        input_ids = torch.stack([ids[w.begin : w.end] for (ids, w), _ in batch]).to(device)
+        rows = _forward_rows(model, input_ids, max(w.n_targets for (_, w), _ in batch) + 1)
+        return [_window_nll(rows, item, ids, w, key) for item, ((ids, w), key) in enumerate(batch)]
+
+    with_keys = list(zip(items, keys if keys is not None else [None] * len(items), strict=True))
+    return map_over_processes(with_keys, work, state=state, batch_size=batch_size, progress=progress, desc=desc,
+                              unit="win")
 
 
 def summarize(scores: Sequence[tuple[float, int, float, int]]) -> dict[str, Any]:

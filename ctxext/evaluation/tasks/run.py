@@ -6,6 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..device import map_over_processes
 from ..perplexity import _input_device
 from .ruler import TASKS, Sources, generate
 from .scoring import METRICS
@@ -42,39 +43,27 @@ def task_accuracy(model, src: Sources, task: str, length: int, *, samples: int =
 
     With an accelerate ``PartialState`` of several processes the samples are split between them; the result does not
     depend on the process count (each sample is drawn from its own seed)."""
-    from tqdm.auto import tqdm
-
     spec = TASKS[task]
     metric = METRICS[spec.metric]
     tokenizer = src.encoder.tokenizer
-    plan = list(enumerate(plan_samples(samples, depths)))
-    distributed = state is not None and state.num_processes > 1
-    if distributed:
-        with state.split_between_processes(plan) as mine:
-            mine = list(mine)
-    else:
-        mine = plan
     device = _input_device(model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    is_main = state is None or state.is_main_process
-    outcomes = []
-    for index, depth in tqdm(mine, desc=f"{task} L={length}", disable=not (progress and is_main), leave=False):
+
+    def work(batch):
+        (index, depth), = batch
         try:
             sample = generate(spec, src, length, seed=seed, index=index, depth=depth)
         except ValueError as exc:  # told to every process after the gather, so none is left waiting in it
-            outcomes.append((index, depth, None, None, 0, {"error": str(exc)}))
-            continue
+            return [(index, depth, None, None, 0, {"error": str(exc)})]
         ids = torch.tensor([sample.ids], device=device)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=sample.max_new_tokens,
                              do_sample=False, num_beams=1, pad_token_id=pad)
         text = src.encoder.decode(out[0, ids.shape[1]:].tolist())
-        outcomes.append((index, depth, sample.depth, metric(text, sample.answers), len(sample.ids),
-                         {"expected": sample.answers, "output": text[:PREDICTION_CHARS]}))
-    if distributed:
-        from accelerate.utils import gather_object
+        return [(index, depth, sample.depth, metric(text, sample.answers), len(sample.ids),
+                 {"expected": sample.answers, "output": text[:PREDICTION_CHARS]})]
 
-        outcomes = gather_object(outcomes)
-    outcomes.sort(key=lambda o: o[0])
+    outcomes = map_over_processes(list(enumerate(plan_samples(samples, depths))), work, state=state,
+                                  progress=progress, desc=f"{task} L={length}")
     failed = [o for o in outcomes if o[3] is None]
     if failed:
         raise ValueError(f"{task} at {length}: sample {failed[0][0]} does not fit ({failed[0][5]['error']})")
