@@ -7,7 +7,8 @@ distances further away. A ``PositionMap`` says that in a form attention can run 
 
 - ``rotations``: K pairs of position functions ``(query_position(i), key_position(j))``. Rotation c rotates every
   query by ``query_position(i)`` and every key by ``key_position(j)``, so one matmul scores all pairs under it.
-- ``select(i, j)``: which rotation a pair uses (an int8 index), or -1 where the method masks the pair.
+- ``select(i, j)``: which rotation a pair uses (an int8 index), or -1 where the method masks the pair; derived
+  from ``split`` (the key ranges each query sees under each rotation) for every two-rotation map.
 
 so that ``score(i, j) = (R(qpos_c(i)) q_i) . (R(kpos_c(j)) k_j)`` with ``c = select(i, j)``. Positions are absolute
 token positions (0 = the first real token of a row); rotary positions may be floats. ``near`` says that every pair
@@ -87,8 +88,9 @@ class PositionMap:
 
     method: str
     rotations: tuple[Rotation, ...]
-    #: (i, j) -> int8 rotation index per pair, -1 = masked by the method; i and j broadcast (e.g. (B, q, 1), (B, 1, k))
-    select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    #: (i, j) -> int8 rotation index per pair, -1 = masked by the method; i and j broadcast (e.g. (B, q, 1), (B, 1, k)).
+    #: None: derived from ``split`` (every two-rotation map declares one, so the two cannot disagree)
+    select: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
     #: every pair with 0 <= i - j < near uses rotations[0], which is the identity (math.inf: the whole map is)
     near: float = 0
     #: optional per-query multiplier from the query's absolute position (ReRoPE's log-length scaling)
@@ -100,6 +102,18 @@ class PositionMap:
     #: the map's key ranges for fused attention kernels (``KeySplit``; None: not declared). A full pass under it
     #: runs as a few fused calls merged by log-sum-exp (``ctxext.attention.lse``) instead of per-pair selection
     split: KeySplit | None = None
+
+    def __post_init__(self):
+        if self.select is None:
+            if self.split is None:
+                raise ValueError(f"position map of {self.method!r}: give select or split")
+            object.__setattr__(self, "select", _select_from_split(self.split))
+
+    def __post_init__(self):
+        if self.select is None:
+            if self.split is None:
+                raise ValueError(f"position map of {self.method!r}: give select or split")
+            object.__setattr__(self, "select", _select_from_split(self.split))
 
     @property
     def is_identity(self) -> bool:
@@ -125,11 +139,14 @@ def _all_near(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
     return torch.zeros(torch.broadcast_shapes(i.shape, j.shape), dtype=torch.int8, device=i.device)
 
 
-def _window_select(window: int, far: int = 1) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """Rotation 0 for pairs closer than ``window``, rotation ``far`` for the rest."""
+def _select_from_split(split: KeySplit) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``select`` restated from key ranges: rotation 0 from ``near_start(i)`` on, rotation 1 before it (within
+    ``far_keys``), masked elsewhere."""
 
     def select(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        return torch.where((i - j) < window, 0, far).to(torch.int8)
+        start = split.near_start(i)
+        far = j < start if split.far_keys is None else (j < start) & (j < split.far_keys)
+        return torch.where(j >= start, 0, torch.where(far, 1, -1)).to(torch.int8)
 
     return select
 

@@ -24,7 +24,7 @@ import torch
 from ..core.errors import PatchError
 from .declaration import Kind, Method, Option
 from .position_map import (IDENTITY, KeySplit, PositionMap, Rotation, _all_near, _band_start, _int, _larger_than_needed,
-                           _same, _window_select, _zero, identity_map, target_length)
+                           _same, _zero, identity_map, target_length)
 
 
 # ------------------------------------------------------------------------------------------------- self-extend
@@ -78,7 +78,7 @@ def self_extend(original_length: int, factor: float | None = None, group: int | 
 
     far = Rotation(query=lambda i: torch.div(i, group, rounding_mode="floor") + shift,
                    key=lambda j: torch.div(j, group, rounding_mode="floor"))
-    return PositionMap(method, (IDENTITY, far), _window_select(window), window, None, options,
+    return PositionMap(method, (IDENTITY, far), None, window, None, options,
                        split=KeySplit(_band_start(window)))
 
 
@@ -142,19 +142,13 @@ def dca(original_length: int, factor: float | None = None, chunk_size: int | Non
 
     far = Rotation(query=lambda i: torch.full_like(i, inter), key=lambda j: torch.remainder(j, s))
 
-    def select(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        ci = torch.div(i, s, rounding_mode="floor")
-        cj = torch.div(j, s, rounding_mode="floor")
-        local = (ci == cj) | ((ci - cj == 1) & (torch.remainder(i, s) < w))
-        return torch.where(local, 0, 1).to(torch.int8)
-
     # pairs at distance <= w never cross two chunk boundaries (w <= s) and, crossing one, have i mod s < w;
     # queries before s + w are in the first chunk or within the window of the second
     def near_start(i: torch.Tensor) -> torch.Tensor:  # the query's chunk, and the one before within the window
         chunk = torch.div(i, s, rounding_mode="floor")
         return (chunk - ((torch.remainder(i, s) < w) & (chunk > 0)).long()) * s
 
-    return PositionMap(method, (IDENTITY, far), select, w + 1, None, options, plain_below=s + w,
+    return PositionMap(method, (IDENTITY, far), None, w + 1, None, options, plain_below=s + w,
                        split=KeySplit(near_start))
 
 
@@ -202,7 +196,7 @@ def rerope(original_length: int, factor: float | None = None, window: int | None
         far = Rotation(query=lambda i: (i.double() + offset) / k, key=lambda j: j.double() / k)
     if far is IDENTITY:
         return PositionMap(method, (IDENTITY,), _all_near, math.inf, scale, options)
-    return PositionMap(method, (IDENTITY, far), _window_select(window), window, scale, options,
+    return PositionMap(method, (IDENTITY, far), None, window, scale, options,
                        split=KeySplit(_band_start(window)))
 
 
@@ -227,11 +221,7 @@ def lm_infinite(original_length: int, factor: float | None = None, global_tokens
     cap = int(original_length)
     far = Rotation(query=lambda i: torch.full_like(i, cap), key=_zero)
 
-    def select(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        near = (i - j) < window
-        return torch.where(near, 0, torch.where(j < global_tokens, 1, -1)).to(torch.int8)
-
-    return PositionMap(method, (IDENTITY, far), select, window, None, options,
+    return PositionMap(method, (IDENTITY, far), None, window, None, options,
                        split=KeySplit(_band_start(window), global_tokens))
 
 
@@ -259,14 +249,10 @@ def streaming_llm(original_length: int, factor: float | None = None, sinks: int 
     last = cache - 1
     far = Rotation(query=lambda i: torch.clamp(i, max=last), key=_same)
 
-    def select(i: torch.Tensor, j: torch.Tensor) -> torch.Tensor:
-        kept = ((i - j) < window) | (i < cache)
-        return torch.where(kept, 0, torch.where(j < sinks, 1, -1)).to(torch.int8)
-
     def near_start(i: torch.Tensor) -> torch.Tensor:  # the whole causal prefix while the cache holds it
         return torch.where(i < cache, 0, (i - window + 1).clamp(min=0))
 
-    return PositionMap(method, (IDENTITY, far), select, window, None, options, plain_below=cache,
+    return PositionMap(method, (IDENTITY, far), None, window, None, options, plain_below=cache,
                        split=KeySplit(near_start, sinks))
 
 
@@ -315,7 +301,7 @@ def string(original_length: int, factor: float | None = None, shift: int | None 
     far = Rotation(query=_same, key=lambda j: j + (shift - local))
     if shift == local:
         return identity_map(method, options)
-    return PositionMap(method, (IDENTITY, far), _window_select(shift), shift, None, options,
+    return PositionMap(method, (IDENTITY, far), None, shift, None, options,
                        split=KeySplit(_band_start(shift)))
 
 
