@@ -345,3 +345,24 @@ def test_training_refuses_what_it_cannot_honour():
     packed = torch.cat([torch.arange(8), torch.arange(8)])[None].expand(2, -1)  # two packed sequences per row
     with pytest.raises(ValueError, match="not plain causal"):
         model(_ids(), position_ids=packed, use_cache=False)  # transformers builds packing into the mask without a cache
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = tiny_llama()
+    checkpointed = copy.deepcopy(model)
+    checkpointed.gradient_checkpointing_enable()
+    s2.enable_shift_attention(model)
+    s2.enable_shift_attention(checkpointed)
+    ids = _ids()
+    _assert_same_training(_train_pass(checkpointed, ids), _train_pass(model, ids))
+
+
+def test_a_save_while_enabled_loads_as_the_plain_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_llama()
+    s2.enable_shift_attention(model)
+    model.save_pretrained(tmp_path)
+    assert "ctxext_shift" not in (tmp_path / "config.json").read_text()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert hf_compat.attn_implementation(loaded.config) == "sdpa"
