@@ -70,7 +70,10 @@ def dense_attention():
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     def dense(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-        assert attention_mask is None and dropout == 0.0
+        assert dropout == 0.0
+        if attention_mask is not None:  # transformers 4.x builds the plain causal mask that 5.x leaves to is_causal
+            causal = torch.ones(query.shape[2], query.shape[2], dtype=torch.bool).tril()
+            assert torch.equal(attention_mask, causal.expand_as(attention_mask))
         group = module.test_group
         return reference_attention(query, key, value, group, scaling), None
 
@@ -336,6 +339,10 @@ def test_training_refuses_what_it_cannot_honour():
     with pytest.raises(ValueError, match="not plain causal"):
         model(_ids(), attention_mask=mask)
     model(_ids(), attention_mask=torch.ones(2, 16, dtype=torch.long))  # an all-ones mask is plain causal
+    causal = torch.ones(16, 16, dtype=torch.bool).tril().expand(2, 1, 16, 16)
+    model(_ids(), attention_mask=causal)  # a ready 4D boolean mask (transformers 4.x builds one)
+    with pytest.raises(ValueError, match="not plain causal"):
+        model(_ids(), attention_mask=causal & (torch.arange(16) > 0))  # the first key masked
     eager = tiny_llama(attn_implementation="eager")
     s2.enable_shift_attention(eager)
     eager.train()
@@ -350,7 +357,8 @@ def test_training_refuses_what_it_cannot_honour():
 def test_gradient_checkpointing_gives_the_same_gradients():
     model = tiny_llama()
     checkpointed = copy.deepcopy(model)
-    checkpointed.gradient_checkpointing_enable()
+    enable = getattr(checkpointed, "activation_checkpointing_enable", None)  # the 5.x name; 4.x has the older one
+    (enable or checkpointed.gradient_checkpointing_enable)()
     s2.enable_shift_attention(model)
     s2.enable_shift_attention(checkpointed)
     ids = _ids()

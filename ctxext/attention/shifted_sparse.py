@@ -47,6 +47,7 @@ import contextlib
 import functools
 import math
 import numbers
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -293,13 +294,28 @@ def shifted_sparse_attention(query: torch.Tensor, key: torch.Tensor, value: torc
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 
+#: The last mask found plain causal: a model passes one mask object to all its layers, checked once per forward.
+_LAST_PLAIN: list = [None]
+
+
 def _plain_causal(mask, length: int) -> bool:
     """Whether the mask a model built (None, a (B, T) padding mask, or a 4D boolean / additive mask) is plain causal
-    attention over ``length`` tokens, with no padding, packing or window."""
+    attention over ``length`` tokens, with no padding, packing or window. (transformers 5.x passes None for a plain
+    causal pass; 4.x builds the (B, 1, T, T) mask when no cache is used.)"""
     if mask is None:
         return True
     if not isinstance(mask, torch.Tensor):
         return False
+    last = _LAST_PLAIN[0]
+    if last is not None and last() is mask:
+        return True
+    plain = _is_plain_causal(mask, length)
+    if plain:
+        _LAST_PLAIN[0] = weakref.ref(mask)
+    return plain
+
+
+def _is_plain_causal(mask: torch.Tensor, length: int) -> bool:
     if mask.dim() == 2:
         return bool(mask.all())
     if mask.dim() != 4 or tuple(mask.shape[-2:]) != (length, length):
