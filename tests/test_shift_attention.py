@@ -374,3 +374,17 @@ def test_a_save_while_enabled_loads_as_the_plain_model(tmp_path):
     assert "ctxext_shift" not in (tmp_path / "config.json").read_text()
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert hf_compat.attn_implementation(loaded.config) == "sdpa"
+
+
+@pytest.mark.parametrize("method,factor", [("self-extend", 4), ("alibi", 4)])
+def test_an_attention_patch_is_refused_while_enabled(method, factor):
+    """Else the patch would replace the shift attention, and the shift attention's undo would then put back sdpa
+    over the patch's attention."""
+    model = tiny_llama()
+    undo = s2.enable_shift_attention(model)
+    enabled = _snapshot(model)
+    with pytest.raises(ValueError, match="shift attention .* is enabled on this model; undo it"):
+        ctxext.patch(model, method, factor)
+    assert _snapshot(model) == enabled and ctxext.describe(model) is None
+    undo()
+    ctxext.patch(model, method, factor)

@@ -62,10 +62,10 @@ from ..core.undo import run_all, undone_on_failure
 from ..methods.declaration import Kind
 from ..methods.registry import resolve_method
 from .features import attention_features, dropped_features
-from .interface import MISSING_HOOK, use_attention
+from .interface import MISSING_HOOK, SHIFT, use_attention
 
-#: Prefix of the registered names; the full name ends with the implementation it replaced (``BASES``).
-SHIFT = "ctxext_shift"
+# ``SHIFT`` (``ctxext.attention.interface``): the prefix of the registered names, which end with the implementation
+# they replaced (``BASES``); the swaps of other attention functions refuse a model that carries it.
 #: The implementations S²-Attn can stand in for (and hand evaluation back to).
 BASES = ("sdpa", "eager")
 #: Attribute on each attention layer holding its ``ShiftState`` while S²-Attn is installed.
