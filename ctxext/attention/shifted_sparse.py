@@ -12,18 +12,19 @@ Which tokens a query at position ``i`` sees (``j <= i`` always):
 - the other heads: keys with ``(j + G/2) // G == (i + G/2) // G`` (groups ``[0, G/2)``, ``[G/2, 3G/2)``, ...,
   ``[T - 3G/2, T - G/2)``, ``[T - G/2, T)``).
 
-Where ctxext differs from LongLoRA. LongLoRA shifts with ``torch.roll`` (the paper's pseudocode and its
-``llama_attn_replace.py``): the shifted heads' sequence is rolled left by ``G/2``, which puts the last half-group
-``[T - G/2, T)`` and the first one ``[0, G/2)`` into one group. In a causal LM the first tokens then attend to the last
-ones, a look at the future that the loss is computed against (the authors acknowledge the leak in their issues #15 and
-#90 and argue its effect is small). ctxext does not wrap around: the shifted heads' first and last half-groups are two
-groups of ``G/2`` tokens each, causal within themselves, so no token ever sees a later one. The other groups are the
-same as LongLoRA's. Only the ``H // 2`` head split follows LongLoRA (with an odd head count the shifted half is the
-larger one).
+Where ctxext differs from LongLoRA. The paper's PyTorch-style pseudocode (its Algorithm 1) and LongLoRA's first
+implementation (``llama_attn_replace.py``) shift with ``torch.roll``: the shifted heads' sequence is rolled left by
+``G/2``, which puts the last half-group ``[T - G/2, T)`` and the first one ``[0, G/2)`` into one group. In a causal LM
+the first tokens then attend to the last ones, a look at the future that the loss is computed against. The authors
+acknowledge the leak (dvlab-research/LongLoRA issues #15 and #90), argue its effect is small, and say in #90 that their
+later flash-attention path partitions the groups without rolling. ctxext never wraps around: the shifted heads' first
+and last half-groups are two groups of ``G/2`` tokens each, causal within themselves, so no token sees a later one. The
+other groups are LongLoRA's. The head split is LongLoRA's too: heads ``H // 2`` onwards are shifted (with an odd head
+count the shifted half is the larger one).
 
 How it runs. No ``T x T`` mask is built: the groups are folded into the batch dimension and each set of groups is one
-call of torch's fused ``scaled_dot_product_attention`` with ``is_causal=True`` (three calls per layer: the plain
-groups, the shifted full groups, the two shifted half-groups). ``scaling`` and dropout are passed through; grouped
+call of torch's fused ``scaled_dot_product_attention`` with ``is_causal=True`` (at most three calls per layer: the
+plain groups, the shifted full groups, the two shifted half-groups). ``scaling`` and dropout are passed through; grouped
 query attention uses ``enable_gqa`` where a head half starts and ends on a key/value head boundary, and copies only the
 key/value heads that half needs otherwise.
 
