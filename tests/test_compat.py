@@ -73,6 +73,16 @@ def test_sdpa_attention_is_transformers_own_and_followed_when_replaced(monkeypat
     assert hf_compat.sdpa_attention() is replaced
 
 
+def test_model_attention_function_is_what_the_layer_calls():
+    from transformers.models.llama import modeling_llama
+
+    layer = next(m for m in tiny_llama().modules() if isinstance(m, modeling_llama.LlamaAttention))
+    assert hf_compat.model_attention_function(layer, "eager") is modeling_llama.eager_attention_forward
+    assert hf_compat.model_attention_function(layer, "sdpa") is modeling_llama.ALL_ATTENTION_FUNCTIONS["sdpa"]
+    assert hf_compat.model_attention_function(layer, "no-such-attention") is None
+    assert hf_compat.model_attention_function(torch.nn.Linear(2, 2), "eager") is None
+
+
 # -- transformers: the ALiBi builders ------------------------------------------------------------------------------
 
 
@@ -203,7 +213,7 @@ def test_lm_eval_command_line_pieces():
 GATHERED = {
     "_attn_implementation", "_attn_implementation_internal", "_can_set_attn_implementation",
     hf_compat.BLOOM_SLOPE_FUNCTION, hf_compat.ALIBI_TENSOR_BUILDER, hf_compat.MPT_ALIBI_TENSOR_BUILDER,
-    "sdpa_attention_forward", "ALL_ATTENTION_FUNCTIONS",
+    "sdpa_attention_forward", "ALL_ATTENTION_FUNCTIONS", "eager_attention_forward",
     "_max_length", "_get_config", "_create_model",
     torch_compat.CPU_FLASH_OP, "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "recompile_limit", "cache_size_limit",

@@ -18,6 +18,9 @@ MISSING_HOOK_MESSAGE = (
 )
 #: Why the attention hook point is missing from the installed transformers (None: registered).
 MISSING_HOOK: str | None = None
+#: Prefix of the names of LongLoRA's shift attention (``ctxext.attention.shifted_sparse``), which a patch that swaps
+#: the attention must not silently replace (nor have put back over it by the shift attention's undo).
+SHIFT = "ctxext_shift"
 
 
 def _register() -> str | None:
@@ -49,6 +52,10 @@ def can_use_attention(model: nn.Module) -> str | None:
         )
     if getattr(model.config, "add_cross_attention", False) or getattr(model.config, "is_encoder_decoder", False):
         return "ALiBi applies to causal self-attention only; this model has cross-attention"
+    current = hf_compat.attn_implementation(model.config)
+    if isinstance(current, str) and current.startswith(SHIFT):
+        return ("LongLoRA's shift attention (a training attention) is enabled on this model; undo it before "
+                "patching the attention")
     return None
 
 
@@ -85,4 +92,4 @@ def use_attention(model: nn.Module, name: str = ALIBI):
     return restore
 
 
-__all__ = ["MISSING_HOOK", "can_use_attention", "require_attention", "use_attention"]
+__all__ = ["MISSING_HOOK", "SHIFT", "can_use_attention", "require_attention", "use_attention"]

@@ -62,6 +62,28 @@ def sdpa_attention() -> Callable:
     return sdpa_attention_forward
 
 
+def model_attention_function(module, name: str) -> Callable | None:
+    """The attention function ``module`` (an attention layer) calls when its config selects ``name``, looked up as its
+    own modeling module looks it up: ``eager_attention_forward`` of that module for ``"eager"`` (each family has its
+    own), its ``ALL_ATTENTION_FUNCTIONS[name]`` otherwise (the global interface, or a family's own instance). A
+    function that stands in for another only while training (``ctxext.attention.shifted_sparse``) hands every other
+    call to this, so those run exactly as before. None where the modeling module lacks the name or the entry.
+    Checked on 4.56.2, 4.57.6, 5.0.0 and 5.23.0 (Llama: tests/test_compat.py, tests/test_shift_attention.py); 5.12.1
+    not run."""
+    import sys
+
+    modeling = sys.modules.get(type(module).__module__)
+    if name == "eager":
+        function = getattr(modeling, "eager_attention_forward", None)
+    else:
+        interface = getattr(modeling, "ALL_ATTENTION_FUNCTIONS", None)
+        try:
+            function = interface[name] if interface is not None else None
+        except KeyError:
+            function = None
+    return function if callable(function) else None
+
+
 # -- ALiBi builders -----------------------------------------------------------------------------------------------
 # ALiBi models compute their biases in functions that the ALiBi adapters replace (principle 1: the model's own
 # attention path is untouched). The names are the transformers modeling modules'; the adapters pass them to
@@ -114,6 +136,7 @@ __all__ = [
     "attn_implementation",
     "bloom_slope_function",
     "can_set_attn_implementation",
+    "model_attention_function",
     "mpt_alibi_tensor_builder",
     "restore_attn_implementation",
     "sdpa_attention",
