@@ -16,6 +16,7 @@ from .core.active import ACTIVE as _ACTIVE
 from .core.active import base_model, describe, require_transformers_model  # base_model, describe: public here too
 from .core.active import pickle_refusal
 from .core.errors import PatchError
+from .methods.temperature import OPTION as TEMPERATURE
 from .methods.registry import METHODS, resolve_method, validate_factor, validate_options
 from .core.spec import CONFIG_KEY, SAVED_AS_KEY, PatchSpec, install_save_mark, unmark_live_config
 
@@ -94,6 +95,9 @@ def build_spec(model: nn.Module, method: str, factor: Any = None, **options: Any
         )
     factor = validate_factor(info, factor)
     resolved = validate_options(info, options)
+    if resolved.get(TEMPERATURE) and not adapter.takes_temperature:
+        raise PatchError(f"{TEMPERATURE}={resolved[TEMPERATURE]} does not fit {type(model).__name__} ({adapter.title}): "
+                         "an attention temperature composes with the rotary family's methods only")
     original = adapter.original_length(model)
     patched = original
     if original is not None and factor is not None:

@@ -38,7 +38,7 @@ def test_cli_prints_the_markdown_table():
     assert out.splitlines()[0] == ("| method | LLaMA-family (rotary) | GPT-J / CodeGen (rotary sin-cos table) | "
                                    "GPT-2 (learned absolute) | GPT-Neo (learned absolute + causal-mask buffers) | "
                                    "OPT-style (learned absolute, embed_positions) | "
-                                   "BLOOM (ALiBi) | MPT (ALiBi) | Falcon (ALiBi) |")
+                                   "BLOOM (ALiBi) | MPT (ALiBi) | Falcon (ALiBi) | temperature |")
     assert "| `alibi` |" in out and "| `nope` |" in out and "error: already ALiBi" in out
 
 

@@ -44,6 +44,8 @@ class Adapter:
     refusals: dict[Kind, str] = {}
     #: Whether the native form is verified on the patched model itself (so an export check must patch first).
     native_form_needs_patch: bool = False
+    #: Whether the family carries an attention temperature (``ctxext.methods.temperature``): the rotary family only.
+    takes_temperature: bool = False
 
     def detect(self, model: nn.Module) -> bool:
         raise NotImplementedError

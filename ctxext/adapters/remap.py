@@ -30,6 +30,7 @@ from torch import nn
 from ..core.active import pickle_refusal
 from ..attention import can_use_attention, use_attention
 from ..core.errors import PatchError
+from ..methods.temperature import compose
 from ..methods.remap import REMAP_METHODS, PositionMap, build_map, identity_map, target_length
 from ..attention.remap import PROBE, PROBE_ATTR, REMAP, STATE_ATTR, RemapState
 from .base import Restore, run_all, undone_on_failure
@@ -210,8 +211,10 @@ def _rotary_start(model: nn.Module, rotary_dims: int) -> int:
 
 
 def apply_remap(model: nn.Module, method: str, factor: float | None, options: dict[str, Any],
-                original_length: int | None = None) -> Restore:
-    """Apply a remap patch (after ``check_remap`` passed); returns the function restoring the model exactly."""
+                original_length: int | None = None, temperature=None) -> Restore:
+    """Apply a remap patch (after ``check_remap`` passed); returns the function restoring the model exactly.
+    ``temperature``: per-position query factors (``ctxext.methods.temperature.Temperature``) multiplied into every
+    layer's map, the layers kept as trained and those without rotary positions included."""
     pmap, rotating = _checked(model, method, factor, options, original_length)  # probed before the rotation is off
     length = _original_length(model, original_length)
     attention = attention_modules(model)
@@ -236,6 +239,8 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
             else:  # a layer without rotary positions: the map's mask only (no rotation, no query scaling)
                 state = _LiveRemapState(dataclasses.replace(kept, query_scale=None), torch.zeros_like(inv_freq), 1.0,
                                         layout, start)
+            if temperature is not None:
+                state.map = dataclasses.replace(state.map, query_scale=compose(state.map.query_scale, temperature))
             setattr(module, STATE_ATTR, state)
             undo.append(functools.partial(_drop_state, module))
         undo.append(use_attention(model, REMAP))

@@ -26,11 +26,13 @@ import torch
 from torch import nn
 
 from ..attention import require_attention, use_attention
+from ..attention.temperature import check_temperature, use_temperature
 from ..core.errors import PatchError
 from ..core.spec import PatchSpec
 from ..methods import nope, rope
 from ..methods.declaration import Kind, Method
 from ..methods.registry import METHODS
+from ..methods.temperature import Temperature, split_options
 from . import rotary_native
 from .base import WRAPPED_NAMES, Adapter, Restore, declaration, run_all, undone_on_failure
 from .rotary_units import RotaryUnit, _unit_saver, rotary_units, unit_inputs, unread_surface
@@ -208,6 +210,7 @@ class RotaryAdapter(Adapter):
         Kind.NONE: "rotary off (identity rotation)",
     }
     native_form_needs_patch = True  # verified against transformers' rotary class built from the native config
+    takes_temperature = True  # a per-query factor in front of the model's attention, or in the remap's map
 
     def does(self, method: Method) -> str | None:
         # the kinds that act on rotary positions are this family's own: each method says what it does
@@ -235,19 +238,25 @@ class RotaryAdapter(Adapter):
             if reason:
                 raise PatchError(f"rotary module {unit.name} of {type(model).__name__}: {reason}; refused")
         kind = declaration(spec).kind
+        options, temperature_options = split_options(spec.options)
         if kind is Kind.BIAS:
             require_attention(model)
         if kind is Kind.REMAP:
             from .remap import check_remap  # imports this module
 
-            check_remap(model, spec.method, spec.factor, spec.options, spec.original_length)
+            check_remap(model, spec.method, spec.factor, options, spec.original_length)
+        elif temperature_options:
+            check_temperature(model)
+        Temperature.from_options(temperature_options, spec.original_length)
 
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
         method = declaration(spec)
+        options, temperature_options = split_options(spec.options)
+        temperature = Temperature.from_options(temperature_options, spec.original_length)
         if method.kind is Kind.REMAP:
             from .remap import apply_remap
 
-            return apply_remap(model, spec.method, spec.factor, spec.options, spec.original_length)
+            return apply_remap(model, spec.method, spec.factor, options, spec.original_length, temperature)
         with undone_on_failure() as undo:
             dynamic: dict[int, tuple[nn.Module, list]] = {}
             for unit in rotary_units(model):
@@ -256,7 +265,7 @@ class RotaryAdapter(Adapter):
                 if method.per_sequence:
                     dynamic.setdefault(id(unit.module), (unit.module, []))[1].append((unit, inputs))
                     continue
-                inv_freq, attention_factor = rule_of(method)(inputs, spec.factor, **spec.options)
+                inv_freq, attention_factor = rule_of(method)(inputs, spec.factor, **options)
                 if inputs.preset == "longrope":
                     # transformers copies the short (original_inv_freq) or the long set into inv_freq in every
                     # forward, by sequence length: the method acts on the long set, the switch stays
@@ -270,7 +279,7 @@ class RotaryAdapter(Adapter):
                     inputs.attention_scaling * attention_factor
             hooks, sequence = [], SequenceScale()
             for module, targets in dynamic.values():
-                hook = DynamicNTKHook(targets, spec.factor, sequence, method.frequencies, spec.options)
+                hook = DynamicNTKHook(targets, spec.factor, sequence, method.frequencies, options)
                 handle = module.register_forward_pre_hook(hook, with_kwargs=True)
                 module._ctxext_dynamic = hook
                 hooks.append(hook)
@@ -281,6 +290,8 @@ class RotaryAdapter(Adapter):
                 undo.append(_wrap_generate(model))
             if method.kind is Kind.BIAS:
                 undo.append(use_attention(model))
+            if temperature is not None:
+                undo.append(use_temperature(model, temperature))
         return functools.partial(run_all, undo)
 
     def native_form(self, model: nn.Module, spec: PatchSpec, *, check_only: bool = False):

@@ -24,6 +24,7 @@ from ..core.native_form import NativeForm, NoNativeForm, no_form_reason
 from ..core.spec import CONFIG_KEY, PatchSpec
 from ..methods.declaration import Kind, Method
 from ..methods.registry import METHODS
+from ..methods.temperature import OPTION as TEMPERATURE
 from .rotary_compose import LONGROPE
 from .rotary_units import RotaryUnit, long_frequencies, rotary_modules, unit_inputs
 
@@ -224,6 +225,9 @@ def _verify_rotary(model: nn.Module, spec: PatchSpec, changes: dict[str, Any], p
 def native_form(model: nn.Module, spec: PatchSpec, title: str) -> NativeForm:
     """The verified native form of ``spec`` on the patched rotary ``model`` (``title``: its family, for the
     reason where the method has none); NoNativeForm says why there is none."""
+    if spec.options.get(TEMPERATURE):
+        raise NoNativeForm(f"{TEMPERATURE}={spec.options[TEMPERATURE]} (an attention temperature) has no "
+                           "transformers-native form that ctxext writes")
     modules = rotary_modules(model)
     if not modules or any(getattr(m, "config", None) is not model.config for _, m in modules):
         raise NoNativeForm("the rotary modules do not read the model's own config (a nested text config); "

@@ -20,8 +20,8 @@ def method_table(adapters=None) -> list[dict[str, str]]:
 
 
 def format_method_table(markdown: bool = False) -> str:
-    header = ["method"] + [a.title for a in ADAPTERS]
-    body = [[r["method"]] + [r[a.family] for a in ADAPTERS] for r in method_table()]
+    header = ["method"] + [a.title for a in ADAPTERS] + ["temperature"]
+    body = [[r["method"]] + [r[a.family] for a in ADAPTERS] + [_temperature_cell(r["method"])] for r in method_table()]
     if markdown:
         lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
         lines += ["| " + " | ".join(f"`{c}`" if i == 0 else c for i, c in enumerate(row)) + " |" for row in body]
@@ -29,3 +29,14 @@ def format_method_table(markdown: bool = False) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *body)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in body])
+
+
+def _temperature_cell(name: str) -> str:
+    """Whether ``name`` takes ``temperature=...`` (``ctxext.methods.temperature``), on the families that carry one."""
+    from ..methods.registry import METHODS
+    from ..methods.temperature import FORMS, takes_temperature
+
+    if not takes_temperature(METHODS[name]):
+        return "no"
+    families = ", ".join(a.family for a in ADAPTERS if a.takes_temperature and a.supports(name))
+    return f"{' / '.join(FORMS)} ({families})"

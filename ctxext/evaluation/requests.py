@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.errors import PatchError
-from ..methods.registry import MAX_FACTOR, METHODS, resolve_method
+from ..methods.registry import MAX_FACTOR, METHODS, accepted_options, resolve_method
 
 NONE = "none"
 
@@ -22,9 +22,11 @@ class MethodRequest:
 
     @property
     def label(self) -> str:
+        temperature = self.options.get("temperature")
+        suffix = f" +{str(temperature).strip().lower()}" if temperature else ""  # an attention temperature
         if self.method == NONE or self.factor is None:
-            return self.method
-        return f"{self.method} x{self.factor:g}"
+            return self.method + suffix
+        return f"{self.method} x{self.factor:g}{suffix}"
 
     def key(self) -> tuple[str, float | None]:
         return (self.method, self.factor)
@@ -84,7 +86,7 @@ def parse_methods(
             f = parse_factor(own, item) if own else None
             if f is None and takes_factor(info.name):
                 f = factor
-            opts = {k: v for k, v in by_method.get(None, {}).items() if k in info.options}
+            opts = {k: v for k, v in by_method.get(None, {}).items() if k in accepted_options(info)}
             used_global.update(opts)
             opts.update(by_method.get(info.name, {}))
             req = MethodRequest(info.name, f, opts)

@@ -41,11 +41,11 @@ from ..api import describe, patch, unpatch
 from ..compat import lm_eval as lm_eval_compat
 from ..core.errors import PatchError
 from ..loading import from_pretrained, load_adapter
-from ..methods.registry import METHODS, resolve_method, validate_factor, validate_options
+from ..methods.registry import METHODS, accepted_options, resolve_method, validate_factor, validate_options
 from ..data.sources import check_source
 
 #: Every method option name ctxext knows (a model arg with one of these names is a method option, not an hf arg).
-OPTION_NAMES = frozenset(k for m in METHODS.values() for k in m.options)
+OPTION_NAMES = frozenset(k for m in METHODS.values() for k in accepted_options(m))
 
 
 def _number(value: Any) -> Any:
@@ -204,7 +204,7 @@ def _unknown_message(unknown: list[str], args: Mapping[str, Any]) -> str:
         method = None
     pool = _ctxext_keys() + sorted(OPTION_NAMES) + _hf_keys() + sorted(_from_pretrained_keys() or ())
     if method is not None:
-        pool = list(METHODS[method].options) + pool
+        pool = list(accepted_options(METHODS[method])) + pool
     hints = []
     for key in unknown:
         close = difflib.get_close_matches(key, [p for p in pool if p not in args], n=1, cutoff=0.75)

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..core.errors import PatchError
 from .alibi import ALIBI
+from . import temperature
 from .declaration import Method
 from .nope import NOPE
 from .remap import REMAP_METHODS
@@ -105,12 +106,23 @@ def validate_factor(method: Method, factor: Any) -> float | None:
     return number
 
 
+def accepted_options(method: Method) -> tuple[str, ...]:
+    """The option names ``method`` takes: its own, and an attention temperature's where it carries one."""
+    return tuple(method.options) + (temperature.OPTIONS if temperature.takes_temperature(method) else ())
+
+
 def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
-    """Return the method's options with defaults filled in; unknown or ill-typed options raise."""
+    """Return the method's options with defaults filled in; unknown or ill-typed options raise. An attention
+    temperature (``ctxext.methods.temperature``) is added only where one is given, so a patch without it records the
+    method's options alone."""
+    options, temperature_options = temperature.split_options(options)
     unknown = sorted(set(options) - set(method.options))
     if unknown:
-        accepted = ", ".join(method.options) if method.options else "none"
+        accepted = ", ".join(method.options) or "none"
+        if temperature.takes_temperature(method):
+            accepted += f"; with an attention temperature: {', '.join(temperature.OPTIONS)}"
         raise PatchError(f"unknown option(s) {', '.join(unknown)} for method {method.name!r}; accepted: {accepted}")
+    extra = temperature.validate(method, temperature_options)
     resolved = {}
     for key, opt in method.options.items():
         value = options.get(key, opt.default)
@@ -120,7 +132,7 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
         else:
             value = _coerce(method.name, key, value, opt.kind)
         resolved[key] = value
-    return resolved
+    return {**resolved, **extra}
 
 
 def _coerce(method: str, key: str, value: Any, kind: type) -> Any:

@@ -1,0 +1,316 @@
+"""Attention temperature by position (``temperature=logn|llama4|ssmax``) on every rotary method.
+
+The references are written here from each form's source (Qwen 1's ``logn_list``, transformers' Ministral 3 formula,
+the SSMax paper's ``s log n``) and a dense attention that scales each query's logits by it; the frequency methods are
+compared with the same patch without a temperature under that dense attention, the remap methods with the dense
+paper reference of ``test_remap.py`` under the same scaling.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from checks import generate_equals_full_forward, padded_batch_equals_single_rows
+from conftest import tiny_gpt2, tiny_llama
+
+import ctxext
+from ctxext import PatchError
+from ctxext.attention import use_attention
+from ctxext.evaluation.requests import parse_methods
+from ctxext.methods.temperature import Temperature
+
+L0 = 64  # tiny_llama's trained length
+
+
+# -- the forms, from their sources ------------------------------------------------------------------------------------
+
+
+def qwen_logn(p: int, L: int) -> float:
+    """Qwen 1 (modeling_qwen.py): logn_list[i] = log(i, seq_length) if i > seq_length else 1, i = 1 ... (the query at
+    0-based position p reads entry p + 1)."""
+    i = p + 1
+    return math.log(i, L) if i > L else 1.0
+
+
+def ministral_llama4(p: int, beta: float, floor: int) -> float:
+    """transformers' get_llama_4_attn_scale: 1 + beta * log(1 + floor(pos / max_position_embeddings))."""
+    return 1 + beta * math.log(1 + math.floor(p / floor))
+
+
+def ssmax(p: int, s: float) -> float:
+    """SSMax (arXiv 2501.19399): logits times s * log(n), n the keys attended (p + 1 under causal attention)."""
+    return s * math.log(p + 1)
+
+
+def reference_factor(options: dict, p: int) -> float:
+    form = options["temperature"]
+    if form == "logn":
+        return qwen_logn(p, L0)
+    if form == "llama4":
+        return ministral_llama4(p, options.get("beta", 0.1), options.get("floor", L0))
+    return ssmax(p, options.get("s", 1 / math.log(L0)))
+
+
+@pytest.mark.parametrize("options", [
+    {"temperature": "logn"},
+    {"temperature": "llama4"},
+    {"temperature": "llama4", "beta": 0.3, "floor": 16},
+    {"temperature": "ssmax"},
+    {"temperature": "ssmax", "s": 0.4},
+])
+def test_factors_follow_their_sources(options):
+    temperature = Temperature.from_options(options, L0)
+    p = torch.arange(0, 1000)
+    expected = torch.tensor([reference_factor(options, int(i)) for i in p], dtype=torch.float64)
+    torch.testing.assert_close(temperature(p).double(), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_the_llama4_form_is_transformers_own_where_it_ships():
+    modeling = pytest.importorskip("transformers.models.ministral3.modeling_ministral3")
+    p = torch.arange(0, 700)[None]
+    theirs = modeling.get_llama_4_attn_scale(p, 0.25, 48).flatten()
+    ours = Temperature.from_options({"temperature": "llama4", "beta": 0.25, "floor": 48}, L0)(p).flatten()
+    torch.testing.assert_close(ours, theirs.float(), atol=1e-6, rtol=0)
+
+
+# -- a dense reference attention ----------------------------------------------------------------------------------------
+
+
+class DenseTemperature:
+    """Causal attention written out (float64) with each query's logits times the reference factor of its position;
+    q and k arrive rotated (frequency methods rotate in the rotary module)."""
+
+    name = "ctxext_test_dense_temperature"
+    options: dict = {}
+
+    @classmethod
+    def forward(cls, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kw):
+        b, h, t, _ = query.shape
+        assert key.shape[2] == t and attention_mask is None  # full passes without padding only
+        key = key.repeat_interleave(h // key.shape[1], dim=1).double()
+        value = value.repeat_interleave(h // value.shape[1], dim=1).double()
+        factor = torch.tensor([reference_factor(cls.options, p) for p in range(t)], dtype=torch.float64)
+        scores = query.double() @ key.transpose(-1, -2) * scaling * factor[:, None]
+        scores = scores.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), -math.inf)
+        return (scores.softmax(-1) @ value).transpose(1, 2).to(query.dtype).contiguous(), None
+
+
+def _register():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(DenseTemperature.name, DenseTemperature.forward)
+    AttentionMaskInterface.register(DenseTemperature.name, sdpa_mask)
+
+
+_register()
+
+
+def _ids(length, seed=1, batch=1):
+    return torch.randint(2, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+FREQUENCY_CASES = [
+    ("yarn", 4, {"temperature": "logn"}),
+    ("pi", 4, {"temperature": "llama4", "floor": 16}),
+    ("ntk", 4, {"temperature": "ssmax"}),
+    ("extrapolate", 4, {"temperature": "llama4", "beta": 0.5, "floor": 32}),
+    ("dynamic-ntk", 4, {"temperature": "logn"}),
+]
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+@pytest.mark.parametrize("method,factor,options", FREQUENCY_CASES)
+def test_frequency_methods_match_the_dense_reference(method, factor, options, implementation):
+    model = tiny_llama(attn_implementation=implementation)
+    ids = _ids(200)
+    ctxext.patch(model, method, factor, **options)
+    with torch.no_grad():
+        ours = model(ids).logits
+    ctxext.unpatch(model)
+    ctxext.patch(model, method, factor)  # the same frequencies, no temperature: the dense attention adds it
+    DenseTemperature.options = options
+    back = use_attention(model, DenseTemperature.name)
+    with torch.no_grad():
+        reference = model(ids).logits
+    back()
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
+    # the temperature changes the model past the trained length, by far more than the tolerance above
+    assert (ours - model(ids).logits).abs().max() > 1e-4
+
+
+REMAP_CASES = [
+    ("self-extend", None, {"temperature": "logn"}),
+    ("dca", None, {"temperature": "ssmax", "s": 0.3}),
+    ("rerope", 4, {"temperature": "llama4", "floor": 16}),  # stacked on ReRoPE's own log scaling
+    ("streaming-llm", None, {"temperature": "logn"}),
+]
+
+
+def _dense_remap_with_temperature(model, method, factor, options, ids):
+    """test_remap's dense reference of the map (from the papers), its queries scaled by the reference factor."""
+    import test_remap
+
+    own = {k: v for k, v in options.items() if k not in ("temperature", "beta", "floor", "s")}
+    name = "ctxext_test_dense_remap_temperature"
+
+    def forward(module, query, key, value, attention_mask, **kw):
+        t = query.shape[2]
+        factor_ = torch.tensor([reference_factor(options, p) for p in range(t)], dtype=query.dtype)
+        return test_remap.Dense.forward(module, query * factor_[None, None, :, None], key, value, attention_mask, **kw)
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(name, forward)
+    AttentionMaskInterface.register(name, sdpa_mask)
+    restore, back = test_remap._with_dense(model, method, factor, own)
+    back()
+    back = use_attention(model, name)
+    try:
+        with torch.no_grad():
+            return model(ids).logits
+    finally:
+        back()
+        restore()
+
+
+@pytest.mark.parametrize("method,factor,options", REMAP_CASES)
+def test_remap_methods_match_the_dense_reference(method, factor, options):
+    model = tiny_llama()
+    ids = _ids(200)
+    reference = _dense_remap_with_temperature(model, method, factor, options, ids)
+    ctxext.patch(model, method, factor, **options)
+    with torch.no_grad():
+        ours = model(ids).logits
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
+    ctxext.unpatch(model)
+    ctxext.patch(model, method, factor)
+    with torch.no_grad():
+        assert (ours - model(ids).logits).abs().max() > 1e-4
+
+
+# -- identity settings, decoding, padding, undo --------------------------------------------------------------------------
+
+
+def test_logn_within_the_trained_length_is_the_unpatched_model():
+    model = tiny_llama()
+    ids = _ids(L0)
+    with torch.no_grad():
+        before = model(ids).logits
+        ctxext.patch(model, "extrapolate", 1, temperature="logn")
+        assert torch.equal(model(ids).logits, before)
+
+
+@pytest.mark.parametrize("method,factor", [("yarn", 4), ("self-extend", None)])
+def test_llama4_with_beta_zero_is_the_method_alone(method, factor):
+    model = tiny_llama()
+    ids = _ids(200)
+    with torch.no_grad():
+        ctxext.patch(model, method, factor)
+        alone = model(ids).logits
+        ctxext.patch(model, method, factor, replace=True, temperature="llama4", beta=0.0)
+        torch.testing.assert_close(model(ids).logits, alone, atol=1e-6, rtol=0)
+
+
+DECODE_CASES = [
+    ("yarn", 4, {"temperature": "logn"}),
+    ("extrapolate", 4, {"temperature": "llama4", "floor": 8, "beta": 0.5}),
+    ("self-extend", None, {"temperature": "ssmax"}),
+]
+
+
+@pytest.mark.parametrize("method,factor,options", DECODE_CASES)
+def test_cached_generate_equals_a_full_forward(method, factor, options):
+    model = ctxext.patch(tiny_llama(), method, factor, **options)
+    with torch.no_grad():
+        generate_equals_full_forward(model, prompt_len=70, new=12)  # the factor grows at every new position
+
+
+@pytest.mark.parametrize("method,factor,options", DECODE_CASES)
+def test_padded_batch_equals_single_rows(method, factor, options):
+    model = ctxext.patch(tiny_llama(), method, factor, **options)
+    with torch.no_grad():
+        padded_batch_equals_single_rows(model, lengths=(150, 90))
+
+
+@pytest.mark.parametrize("method,factor,options", FREQUENCY_CASES[:2] + REMAP_CASES[:2])
+def test_unpatch_is_bit_exact(method, factor, options):
+    model = tiny_llama()
+    ids = _ids(150)
+    implementation = model.config._attn_implementation
+    with torch.no_grad():
+        before = model(ids).logits
+        ctxext.patch(model, method, factor, **options)
+        ctxext.unpatch(model)
+        assert torch.equal(model(ids).logits, before)
+    assert model.config._attn_implementation == implementation
+    assert not any(hasattr(m, "_ctxext_temperature") for m in model.modules())
+
+
+def test_a_copy_carries_its_own_temperature():
+    model = ctxext.patch(tiny_llama(), "yarn", 4, temperature="logn")
+    ids = _ids(150)
+    with torch.no_grad():
+        patched = model(ids).logits
+        twin = copy.deepcopy(model)
+        ctxext.unpatch(twin)
+        assert torch.equal(model(ids).logits, patched)
+        assert not torch.equal(twin(ids).logits, patched)
+
+
+def test_describe_and_save_reload(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = ctxext.patch(tiny_llama(), "yarn", 4, temperature="llama4", floor=16)
+    assert ctxext.describe(model)["options"]["temperature"] == "llama4"
+    ids = _ids(150)
+    with torch.no_grad():
+        patched = model(ids).logits
+    model.save_pretrained(tmp_path)
+    # yarn alone would save as transformers' own rope type; the temperature has no native form: refused, not dropped
+    with pytest.raises(ValueError, match=r"ctxext\.from_pretrained\(path\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
+    loaded = ctxext.from_pretrained(tmp_path)
+    assert ctxext.describe(loaded) == ctxext.describe(model)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, patched)
+
+
+# -- refusals: a clear error, nothing changed ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("build,method,factor,options,match", [
+    (tiny_gpt2, "pi", 2, {"temperature": "logn"}, "rotary family"),
+    (tiny_llama, "alibi", None, {"temperature": "logn"}, "takes no temperature"),
+    (tiny_llama, "nope", None, {"temperature": "ssmax"}, "takes no temperature"),
+    (tiny_llama, "yarn", 4, {"temperature": "cold"}, "choose one of logn, llama4, ssmax"),
+    (tiny_llama, "yarn", 4, {"beta": 0.2}, "unknown option.*give temperature="),
+    (tiny_llama, "yarn", 4, {"temperature": "logn", "s": 0.2}, "does not apply to temperature=logn"),
+    (tiny_llama, "yarn", 4, {"temperature": "llama4", "beta": -1}, "must be >= 0"),
+    (tiny_llama, "yarn", 4, {"temperature": "llama4", "floor": 0.5}, "whole number"),
+    (tiny_llama, "yarn", 4, {"temperature": "ssmax", "s": 0}, "must be > 0"),
+    (tiny_llama, "yarn", 4, {"temperature": "ssmax", "s": "x"}, "must be a number"),
+])
+def test_bad_temperatures_are_refused_with_nothing_changed(build, method, factor, options, match):
+    model = build()
+    ids = _ids(20)
+    implementation = model.config._attn_implementation
+    with torch.no_grad():
+        before = model(ids).logits
+    with pytest.raises(PatchError, match=match):
+        ctxext.patch(model, method, factor, **options)
+    assert ctxext.describe(model) is None
+    assert model.config._attn_implementation == implementation
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+
+
+def test_eval_takes_a_temperature_as_an_option_and_labels_it():
+    requests = parse_methods("none,yarn:4,self-extend", factor=None, options=["temperature=logn"])
+    assert [r.label for r in requests] == ["none", "yarn x4 +logn", "self-extend +logn"]
+    with pytest.raises(ValueError, match="apply to none"):
+        parse_methods("none,alibi", factor=None, options=["temperature=logn"])
