@@ -46,6 +46,12 @@ REQUIRED = {
     "qwen2+yarn": "scaled",
     "phi3+longrope": "longrope",
 }
+# models that ship an attention temperature by position (issue 27), where this transformers has them: identity,
+# cached decoding and unpatch then hold with the temperature acting (it is set to act from the first positions on)
+_TYPES = __import__("transformers").CONFIG_MAPPING
+REQUIRED.update({name: kind for name, kind in (("ministral3+temperature", "scaled"),
+                                               ("llama4_text+temperature", "rotary"))
+                 if name.split("+")[0] in _TYPES})
 MUST_PATCH = {
     "rotary": ["pi", "ntk", "dynamic-ntk", "yarn", "llama3", "nope", "extrapolate"],
     "alibi-bias": ["pi", "nope", "extrapolate"],

@@ -314,3 +314,82 @@ def test_eval_takes_a_temperature_as_an_option_and_labels_it():
     assert [r.label for r in requests] == ["none", "yarn x4 +logn", "self-extend +logn"]
     with pytest.raises(ValueError, match="apply to none"):
         parse_methods("none,alibi", factor=None, options=["temperature=logn"])
+
+
+# -- models that ship a temperature keep it -------------------------------------------------------------------------------
+
+
+def _ministral3(beta: float):
+    """A tiny Ministral 3 as the checkpoints ship it (YaRN over an original length, llama_4_scaling_beta), the
+    temperature acting from position 64 on."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Ministral3ForCausalLM"):
+        pytest.skip("this transformers has no Ministral 3")
+    torch.manual_seed(0)
+    config = transformers.Ministral3Config(
+        vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=4 * L0, attn_implementation="sdpa",
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": L0, "llama_4_scaling_beta": beta})
+    return transformers.Ministral3ForCausalLM(config).eval()
+
+
+SHIPPED_CASES = [("pi", 4), ("ntk", 4), ("dynamic-ntk", 4), ("yarn", 4), ("llama3", 4), ("extrapolate", 4),
+                 ("self-extend", None), ("dca", None), ("rerope", 4), ("lm-infinite", None), ("streaming-llm", None),
+                 ("string", None)]
+
+
+@pytest.mark.parametrize("method,factor", SHIPPED_CASES)
+def test_a_shipped_llama4_temperature_is_kept_as_transformers_computes_it(method, factor):
+    """Ministral 3 scales its queries by transformers' get_llama_4_attn_scale over the shipped original length,
+    inside its attention module. Under every method that patches it, the model equals the same weights with the
+    shipped temperature off (beta 0) and the same temperature given to ctxext (whose factors equal transformers'
+    function, tested above): the patch neither drops it nor moves the length it divides by."""
+    ids = _ids(5 * L0)
+    shipped = ctxext.patch(_ministral3(0.3), method, factor)
+    rope_before = dict(_ministral3(0.3).config.rope_parameters)
+    assert {k: shipped.config.rope_parameters[k] for k in rope_before} == rope_before
+    reference = ctxext.patch(_ministral3(0.0), method, factor, temperature="llama4", beta=0.3, floor=L0)
+    with torch.no_grad():
+        ours = shipped(ids).logits
+        torch.testing.assert_close(ours, reference(ids).logits, atol=1e-5, rtol=0)
+        # and the temperature acts here: without it the logits differ
+        assert (ours - ctxext.patch(_ministral3(0.0), method, factor)(ids).logits).abs().max() > 1e-4
+
+
+def test_a_native_export_of_a_model_with_a_shipped_temperature_keeps_it(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = ctxext.patch(_ministral3(0.3), "extrapolate", 4)  # written natively: the longer length alone
+    ids = _ids(5 * L0)
+    with torch.no_grad():
+        patched = model(ids).logits
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert plain.config.rope_parameters["llama_4_scaling_beta"] == 0.3
+    assert plain.config.rope_parameters["original_max_position_embeddings"] == L0
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, patched, atol=1e-5, rtol=0)
+
+
+def test_qwen25_1m_dual_chunk_settings_are_not_silently_replaced_by_dca_defaults():
+    """Qwen2.5-1M ships dual_chunk_attention_config (vLLM's parametrisation); ctxext's dca defaults would ignore it."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=128, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=L0,
+                         attn_implementation="sdpa")
+    config.dual_chunk_attention_config = {"chunk_size": 48, "local_size": 8, "original_max_position_embeddings": L0}
+    model = Qwen2ForCausalLM(config).eval()
+    ids = _ids(100)
+    with torch.no_grad():
+        before = model(ids).logits
+    with pytest.raises(PatchError, match=r"dual_chunk_attention_config: chunk_size=48, local_size=8"):
+        ctxext.patch(model, "dca", 4)
+    assert ctxext.describe(model) is None and model.config._attn_implementation == "sdpa"
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    ctxext.patch(model, "dca", 4, chunk_size=40, local_window=8)  # the user's own settings: ctxext's dca
+    ctxext.unpatch(model)
+    ctxext.patch(model, "yarn", 4)  # the other methods are unaffected

@@ -107,6 +107,26 @@ def _refuse_features(model: nn.Module, target: int, length: int) -> None:
                              "sinks); the position-remapping attention applies one sink logit per head only: refused")
 
 
+def _refuse_shipped_dual_chunk(model: nn.Module, method: str, options: dict[str, Any]) -> None:
+    """Qwen2.5-1M ships its Dual Chunk Attention settings as ``dual_chunk_attention_config`` (``chunk_size``,
+    ``local_size``, read by vLLM; transformers ignores them). They follow the reference implementation's
+    parametrisation (ChunkLlama / vLLM: chunks of ``chunk_size - local_size`` tokens, positions bounded by
+    ``chunk_size``), which ctxext's ``dca`` (the paper's equations, ``ctxext.methods.remap.dca``) does not reproduce
+    exactly, and its defaults would not read them: ``dca`` without its own options is refused on such a model, with
+    the shipped values, so it never silently differs from what the model ships."""
+    shipped = next((getattr(c, "dual_chunk_attention_config", None) for c in _configs(model)
+                    if getattr(c, "dual_chunk_attention_config", None)), None)
+    if method != "dca" or not shipped or options.get("chunk_size") is not None or \
+            options.get("local_window") is not None:
+        return
+    values = ", ".join(f"{k}={v}" for k, v in dict(shipped).items()) if isinstance(shipped, dict) else repr(shipped)
+    raise PatchError(
+        f"{type(model).__name__} ships Dual Chunk Attention settings (dual_chunk_attention_config: {values}) in the "
+        "parametrisation of the reference code that vLLM serves it with, which ctxext's dca (the paper's Eqs. 2-8: "
+        "chunk_size s, local_window w, inter-chunk query at the trained length - 1) does not reproduce exactly; "
+        "refused rather than silently differ. Pass chunk_size (and local_window) to run ctxext's dca anyway")
+
+
 def check_remap(model: nn.Module, method: str, factor: float | None, options: dict[str, Any],
                 original_length: int | None = None) -> PositionMap:
     """Validate a remap patch without touching the model; returns the position map it would apply."""
@@ -120,6 +140,7 @@ def _checked(model: nn.Module, method: str, factor: float | None, options: dict[
         raise PatchError(f"unknown position-remapping method {method!r}; choose one of {', '.join(REMAP_METHODS)}")
     length = _original_length(model, original_length)
     options = {k: v for k, v in options.items() if v is not None}
+    _refuse_shipped_dual_chunk(model, method, options)
     pmap = build_map(method, length, factor, **options)
     attention = attention_modules(model)
     rotation_of = _rotations(model, length, method)

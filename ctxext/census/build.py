@@ -107,6 +107,12 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "llama": [(name, {"rope": SCALED_ROPE[name]}) for name in ("linear", "yarn", "llama3")],
     "qwen2": [("yarn", {"rope": SCALED_ROPE["yarn"]})],
     "phi3": [("longrope", {"rope": SCALED_ROPE["longrope"]})],
+    # models that ship an attention temperature by position, set to act from the first positions on (the plain tiny
+    # configs put it past every length the census runs): Ministral 3's llama_4_scaling_beta over its YaRN, divided
+    # by the original length (L0 / 4); Llama 4's attn_temperature_tuning on its NoPE layers, floor_scale 4
+    "ministral3": [("temperature", {"rope": {**SCALED_ROPE["yarn"], "llama_4_scaling_beta": 0.3}})],
+    "llama4_text": [("temperature", {"attn_temperature_tuning": True, "floor_scale": 4, "attn_scale": 0.3,
+                                     "no_rope_layers": [1, 0]})],  # layer 1 NoPE: the temperature's layer
 }
 
 
