@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "ctxext.commands.lm_eval",
     "ctxext.commands.finetune",
     "ctxext.commands.export",
+    "ctxext.commands.search",
     "ctxext.commands.lab",
 ]
 

@@ -1,0 +1,133 @@
+"""`ctxext search longrope`: LongRoPE's evolutionary factor search, written as a native longrope checkpoint.
+
+    ctxext search longrope MODEL --factor 4 --out DIR [--data FILE] [--budget 48] [--minutes M] [--progressive]
+                                 [--population 12] [--parents 4] [--max-windows 2] [--seed 0] [--gguf-file F]
+                                 [--resume] [--overwrite]
+
+MODEL is a hub id, a local folder (with ``--gguf-file``: a GGUF file in it) or ``reference:NAME``. Calibration text:
+``--data`` (a text / JSONL file, a folder, a saved dataset), or the bundled book (held-out *Emma*). Everything is checked
+before the model's weights load; the folder is refused if it exists, unless ``--resume`` (continue its log) or
+``--overwrite`` (replace a folder an earlier search wrote).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def register(sub) -> None:
+    p = sub.add_parser(
+        "search", help="search positional settings: LongRoPE's per-dimension factors, saved as native longrope",
+        description="LongRoPE's evolutionary search (population, mutation, crossover, monotonicity constraint, "
+        "optional progressive extension) over per-dimension RoPE rescale factors, scored by perplexity at FACTOR x "
+        "the trained length; writes a checkpoint whose config.json holds a native longrope rope config, which plain "
+        "transformers loads.")
+    kinds = p.add_subparsers(dest="search", metavar="WHAT")
+    kinds.required = True
+    q = kinds.add_parser("longrope", help="per-dimension rescale factors (LongRoPE, Ding et al. 2024)")
+    q.add_argument("model", metavar="MODEL", help="hub id, local folder (holding --gguf-file), or reference:NAME")
+    q.add_argument("--gguf-file", help="GGUF file name inside MODEL")
+    q.add_argument("--factor", type=float, required=True, help="extension factor s > 1 (target = s x trained length)")
+    q.add_argument("--out", required=True, help="folder for the log, the result and the checkpoint")
+    q.add_argument("--data", help="calibration text (default: the bundled held-out book)")
+    q.add_argument("--budget", type=int, default=48, help="candidates to score in all (default 48)")
+    q.add_argument("--minutes", type=float, help="also stop after this much wall time")
+    q.add_argument("--population", type=int, default=12, help="population size (default 12)")
+    q.add_argument("--parents", type=int, default=4, help="parents kept per generation (default 4)")
+    q.add_argument("--progressive", action="store_true", help="double the factor from 2 up to --factor, each stage "
+                   "seeded by the one before (LongRoPE's progressive extension)")
+    q.add_argument("--max-windows", type=int, default=2, help="windows of the target length scored per candidate")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--dtype", default="float32", help="dtype to score in: float32 (default), bfloat16, float16")
+    q.add_argument("--resume", action="store_true", help="continue the search whose log is in --out")
+    q.add_argument("--overwrite", action="store_true", help="replace a folder an earlier search wrote")
+    q.add_argument("--no-progress", action="store_true", help="no progress bar")
+    q.set_defaults(func=run_search)
+
+
+def _check_out(out: Path, source: str, resume: bool, overwrite: bool) -> None:
+    from ..core.outputs import check_replaceable_folder
+    from ..search.longrope import LOG, is_search_folder
+
+    if resume and overwrite:
+        raise ValueError("--resume continues the search in --out, --overwrite replaces it: give one")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a folder")
+    source_path = Path(source).expanduser()
+    if source_path.exists() and out.resolve() in (source_path.resolve(), *source_path.resolve().parents):
+        raise ValueError(f"--out {out} would write into the model it reads ({source}); choose another folder")
+    if resume:
+        if not (out / LOG).is_file():
+            raise FileNotFoundError(f"--resume: {out / LOG} does not exist; start the search without --resume")
+        return
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"--out {out} exists; pass --resume to continue its search or --overwrite to "
+                                  "replace it")
+        check_replaceable_folder(out, "--out", is_ours=is_search_folder, inputs=(source,), what="a ctxext search")
+
+
+def run_search(args) -> int:
+    import shutil
+
+    from ..commands.export import _source
+    from ..data.sources import check_source
+    from ..evaluation.device import resolve_dtype
+    from ..evaluation.models import load_tokenizer
+    from ..loading import from_pretrained, model_skeleton
+    from ..search import SearchSettings, longrope_search
+    from ..search.longrope import check_search
+
+    settings = SearchSettings(factor=args.factor, budget=args.budget, minutes=args.minutes,
+                              population=args.population, parents=args.parents, progressive=args.progressive,
+                              seed=args.seed)
+    source = _source(args.model)
+    out = Path(args.out)
+    _check_out(out, source, args.resume, args.overwrite)
+    check_source(source, gguf_file=args.gguf_file, what="MODEL")
+    dtype = resolve_dtype(args.dtype)
+    kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
+    tokenizer = load_tokenizer(source, **kwargs)
+    tokens, data_label = _calibration_tokens(tokenizer, args.data)
+    check_search(model_skeleton(source, **kwargs), tokens, settings, args.max_windows)  # before the weights load
+    model = from_pretrained(source, dtype=dtype, **kwargs).eval()
+    if args.overwrite and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    describe = {"model": args.model, "gguf_file": args.gguf_file, "data": data_label, "dtype": args.dtype}
+    result = longrope_search(model, tokens, settings, out, tokenizer=tokenizer, max_windows=args.max_windows,
+                             resume=args.resume, progress=not args.no_progress, describe=describe)
+    print(format_result(result, out))
+    return 0
+
+
+def _calibration_tokens(tokenizer, data: str | None):
+    import torch
+
+    from ..evaluation.data import load_texts, tokenize_texts
+
+    if data is None:
+        from ..reference import reference_text
+
+        texts, label = [reference_text()], "reference (held-out emma)"
+    else:
+        texts, label = load_texts(data).texts, data
+    docs = tokenize_texts(tokenizer, texts)
+    return torch.cat(docs), label
+
+
+def format_result(result: dict, out: Path) -> str:
+    stage = result["stage"]
+    starts = ", ".join(f"{name} {value:.3f}" for name, value in sorted(result["starts"].items(), key=lambda x: x[1]))
+    lines = [
+        f"longrope x{stage:g} ({result['target_length']} tokens): best perplexity {result['best_score']:.3f} after "
+        f"{result['scored']} candidates ({result['fresh']} scored now)" + (", stopped by --minutes"
+                                                                            if result["out_of_time"] else ""),
+        f"starting points at x{stage:g}: {starts}",
+        f"checkpoint: {out} (plain transformers.AutoModelForCausalLM.from_pretrained loads it as rope type longrope)",
+    ]
+    return "\n".join(lines)
+
+
+__all__ = ["register", "run_search"]
