@@ -171,6 +171,12 @@ class TrainConfig:
     #: PoSE: train at the short data.seq_length (default then: the model's original length) with position ids
     #: spanning pose.target_length; ``true`` for the defaults, a mapping (target_length, chunks), or null (off)
     pose: Optional[PoseConfig] = None
+    #: LongLoRA's shifted sparse attention (S²-Attn) while training: attention within groups of
+    #: ``shift_group_ratio`` x the sequence, half the heads shifted by half a group; evaluation, generate and the saved
+    #: model keep full attention (``ctxext.attention.shifted_sparse``)
+    shift_attention: bool = False
+    #: the group's share of the sequence, 1/n (LongLoRA's default 1/4)
+    shift_group_ratio: Annotated[float, Gt(0), Le(1)] = 0.25
 
 
 @dataclass
@@ -714,6 +720,8 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
         err(f"train.betas must be in [0, 1), got {t.betas}", "train.betas")
     if t.pose is not None:
         _check_pose(recipe, err)
+    if t.shift_attention and "train.shift_group_ratio" not in problems.bad:
+        _check_shift(recipe, err)
     from transformers.trainer_utils import SchedulerType
 
     names = [s.value for s in SchedulerType]
@@ -751,6 +759,20 @@ def _listed(value) -> list[str]:
 #: nothing to act on (NoPE has no positions; the ALiBi swap biases attention by the tokens' distance in the sequence)
 NO_POSITION_INPUT = {"alibi": "the ALiBi swap biases attention by distance in the sequence, not by position ids",
                      "nope": "NoPE removes the positional encoding"}
+
+
+def _check_shift(recipe: Recipe, err) -> None:
+    """train.shift_attention checks that need no model: the group ratio, data.seq_length splitting into groups (when
+    given; otherwise checked once the patch gives the length), a patch method that computes attention itself."""
+    from ..attention.shifted_sparse import check_shift_attention
+    from ..core.errors import PatchError
+
+    t, d, p = recipe.train, recipe.data, recipe.patch
+    method = p.method if p.method not in (None, "none") else None
+    try:
+        check_shift_attention(d.seq_length, t.shift_group_ratio, method)
+    except PatchError as exc:
+        err(f"train.shift_attention: {exc}", "train.shift_attention")
 
 
 def _check_pose(recipe: Recipe, err) -> None:

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch
 
+from ..attention.shifted_sparse import check_shift_attention, enable_shift_attention
+from ..core.errors import PatchError
 from . import checkpoint as ckpt
 from .config import Recipe, RecipeError, check_model_sources
 from .data import build_packed_data, read_eval_tokens
@@ -375,8 +377,15 @@ def run(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
+    if t.shift_attention:  # the length is known only now (the patch can set it): checked before any training
+        try:
+            check_shift_attention(seq_length, t.shift_group_ratio, recipe.patch.method, model=model)
+        except PatchError as exc:
+            raise RecipeError(f"train.shift_attention: {exc}") from None
     set_seed(t.seed)
     model = add_lora(recipe, model, source)
+    # S²-Attn while training only: evaluation (model.eval()) already runs full attention; undone before the save
+    undo_shift = enable_shift_attention(model, t.shift_group_ratio) if t.shift_attention else None
     n_train, n_total = count_parameters(model)
     say(f"LoRA r={recipe.lora.r}: {n_train:,} trainable of {n_total:,} parameters "
         f"({100 * n_train / n_total:.2f}%)")
@@ -453,6 +462,8 @@ def run(
             path = ckpt.save(out, acc, state, recipe, keep=t.keep_checkpoints)
             log.write(event="checkpoint", step=state["step"], path=str(path))
     bar.close()
+    if undo_shift is not None:
+        undo_shift()
 
     if state["step"] < t.steps:
         say(f"stopped after step {state['step']} of {t.steps}; continue with --resume")
