@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval-windows", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--gguf", type=Path, help="SmolLM2 GGUF file (default: ../shared/tools/smollm2.sh)")
+    p.add_argument("--model", help="another model instead of SmolLM2: a local folder or reference:NAME (e.g. "
+                   "reference:llama, the shipped LLaMA reference trained at 128 tokens)")
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "longrope_search.json")
     args = p.parse_args(argv)
 
@@ -51,9 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     from ctxext.search.longrope_factors import plain_rope_inputs
 
     torch.set_num_threads(args.threads)
-    gguf = args.gguf or smollm2_gguf()
-    model = ctxext.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
-    tokenizer = load_tokenizer(str(gguf.parent), gguf_file=gguf.name)
+    if args.model:
+        from ctxext.commands.export import _source
+
+        source, kwargs, name = _source(args.model), {}, args.model
+    else:
+        gguf = args.gguf or smollm2_gguf()
+        source, kwargs, name = str(gguf.parent), {"gguf_file": gguf.name}, gguf.name
+    model = ctxext.from_pretrained(source, dtype=torch.float32, **kwargs).eval()
+    tokenizer = load_tokenizer(source, **kwargs)
     tokens = torch.tensor(tokenizer(reference_text(), add_special_tokens=False)["input_ids"])
     half = tokens.numel() // 2
     calibration, held_out = tokens[:half], tokens[half:]
@@ -65,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     try:
         result = longrope_search(model, calibration, settings, work / "out", max_windows=args.max_windows,
-                                 progress=True, describe={"model": gguf.name})
+                                 progress=True, describe={"model": name})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     search_seconds = time.perf_counter() - started
@@ -89,16 +97,16 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch_threads": args.threads,
                     "torch": torch.__version__},
-        "model": gguf.name, "trained_length": trained, "target_length": target,
+        "model": name, "trained_length": trained, "target_length": target,
         "data": "bundled Emma: first half for the search, second half held out",
-        "settings": vars(args) | {"gguf": str(gguf), "out": str(args.out)},
+        "settings": vars(args) | {"gguf": None if args.model else str(kwargs["gguf_file"]), "out": str(args.out)},
         "search": {k: result[k] for k in ("best", "best_score", "starts", "scored", "fresh", "stage")}
         | {"seconds": round(search_seconds, 1)},
         "held_out": rows,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"SmolLM2-135M, {trained} -> {target} tokens (x{args.factor:g}); search: {result['scored']} candidates, "
+    print(f"{name}, {trained} -> {target} tokens (x{args.factor:g}); search: {result['scored']} candidates, "
           f"{search_seconds / 60:.1f} min, calibration ppl {result['best_score']:.3f} (starts: "
           + ", ".join(f"{k} {v:.3f}" for k, v in result["starts"].items()) + ")")
     print(f"| variant | ppl (held out) | last quarter | s / window |\n|---|---|---|---|")
