@@ -16,6 +16,7 @@ its numbers are kept, not its weights. Prints a table; writes JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -87,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         return {"variant": label, "ppl": r["ppl"], "ppl_last_quarter": r["ppl_last_quarter"], "windows": r["windows"],
                 "seconds_per_window": round(seconds / max(1, r["windows"]), 2)}
 
-    rows = [measure("unpatched", _nothing())]
-    rows.append(measure(f"yarn x{args.factor:g} (ctxext.patch)", _patched(model, "yarn", args.factor)))
+    rows = [measure("unpatched", contextlib.nullcontext())]
+    rows.append(measure(f"yarn x{args.factor:g} (ctxext.patch)", ctxext.patched(model, "yarn", args.factor)))
     yarn_start = start_points(inputs, args.factor)["yarn"]
     rows.append(measure("yarn factors, LongRoPE attention factor", rescaled(model, inputs, yarn_start, args.factor)))
     rows.append(measure("longrope search best", rescaled(model, inputs, result["best"], args.factor)))
@@ -114,30 +115,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['variant']} | {r['ppl']:.3f} | {r['ppl_last_quarter']:.3f} | {r['seconds_per_window']} |")
     print(f"wrote {args.out}")
     return 0
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-class _patched:
-    def __init__(self, model, method, factor):
-        self.model, self.method, self.factor = model, method, factor
-
-    def __enter__(self):
-        import ctxext
-
-        ctxext.patch(self.model, self.method, self.factor)
-
-    def __exit__(self, *exc):
-        import ctxext
-
-        ctxext.unpatch(self.model)
-        return False
 
 
 if __name__ == "__main__":

@@ -114,10 +114,11 @@ def _refuse_shipped_dual_chunk(model: nn.Module, method: str, options: dict[str,
     ``chunk_size``), which ctxext's ``dca`` (the paper's equations, ``ctxext.methods.remap.dca``) does not reproduce
     exactly, and its defaults would not read them: ``dca`` without its own options is refused on such a model, with
     the shipped values, so it never silently differs from what the model ships."""
+    if method != "dca" or options.get("chunk_size") is not None or options.get("local_window") is not None:
+        return
     shipped = next((getattr(c, "dual_chunk_attention_config", None) for c in _configs(model)
                     if getattr(c, "dual_chunk_attention_config", None)), None)
-    if method != "dca" or not shipped or options.get("chunk_size") is not None or \
-            options.get("local_window") is not None:
+    if not shipped:
         return
     values = ", ".join(f"{k}={v}" for k, v in dict(shipped).items()) if isinstance(shipped, dict) else repr(shipped)
     raise PatchError(

@@ -33,7 +33,6 @@ def format_method_table(markdown: bool = False) -> str:
 
 def _temperature_cell(name: str) -> str:
     """Whether ``name`` takes ``temperature=...`` (``ctxext.methods.temperature``), on the families that carry one."""
-    from ..methods.registry import METHODS
     from ..methods.temperature import FORMS, takes_temperature
 
     if not takes_temperature(METHODS[name]):

@@ -24,6 +24,7 @@ from ..compat import transformers as hf_compat
 from ..core.errors import PatchError
 from ..core.undo import run_all, undone_on_failure
 from .interface import MISSING_HOOK, use_attention
+from .shifted_sparse import attention_layers
 
 PREFIX = "ctxext_temperature"
 #: Attribute on each attention layer holding its ``TemperatureState`` while the temperature is installed.
@@ -76,12 +77,6 @@ def temperature_attention_forward(module: nn.Module, query: torch.Tensor, key: t
     base = hf_compat.model_attention_function(module, state.base)
     query = scale_queries(query, state.factors, query_positions(query, key.shape[2], kwargs))
     return base(module, query, key, value, attention_mask, **kwargs)
-
-
-def attention_layers(model: nn.Module) -> list[nn.Module]:
-    """The layers that call the registered attention function (as ``ctxext.adapters.remap.attention_modules``)."""
-    return [m for m in model.modules() if hasattr(m, "is_causal") and hasattr(m, "layer_idx")
-            and not isinstance(m, nn.ModuleList)]
 
 
 def check_temperature(model: nn.Module) -> str:

@@ -8,6 +8,7 @@ from typing import Any
 
 from ..core.errors import PatchError
 from ..methods.registry import MAX_FACTOR, METHODS, accepted_options, resolve_method
+from ..methods.temperature import OPTION as TEMPERATURE
 
 NONE = "none"
 
@@ -22,7 +23,7 @@ class MethodRequest:
 
     @property
     def label(self) -> str:
-        temperature = self.options.get("temperature")
+        temperature = self.options.get(TEMPERATURE)
         suffix = f" +{str(temperature).strip().lower()}" if temperature else ""  # an attention temperature
         if self.method == NONE or self.factor is None:
             return self.method + suffix

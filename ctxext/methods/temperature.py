@@ -32,7 +32,7 @@ import torch
 from ..core.errors import PatchError
 from .declaration import Kind, Method
 
-#: The patch option that selects a form, and each form's own options (name -> (default description, minimum)).
+#: The patch option that selects a form, and each form's own parameters (form -> option names).
 OPTION = "temperature"
 FORMS: dict[str, tuple[str, ...]] = {"logn": (), "llama4": ("beta", "floor"), "ssmax": ("s",)}
 #: Every option the temperature adds to a method's own.
@@ -133,14 +133,6 @@ class Temperature:
             s = self.s if self.s is not None else 1.0 / math.log(self.original_length)
             factor = s * torch.log1p(p)
         return factor.to(torch.float32)
-
-    def describe(self) -> str:
-        if self.form == "logn":
-            return f"logn: max(1, log(p+1) / log({self.original_length}))"
-        if self.form == "llama4":
-            return f"llama4: 1 + {self.beta:g} log(1 + floor(p / {self.floor or self.original_length}))"
-        s = self.s if self.s is not None else 1.0 / math.log(self.original_length)
-        return f"ssmax: {s:.4g} log(p + 1)"
 
 
 def compose(first, second):

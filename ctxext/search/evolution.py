@@ -223,8 +223,6 @@ def search(score: Callable[[float, list[float]], float], starts: Callable[[float
             population = {json.dumps(f): (s, f) for s, f in ranked[: settings.population]}
             if made == 0:  # every child already seen: the population has converged for this step size
                 break
-            if state["scored"] >= stage_budget or (state["out_of_time"]):
-                break
         if not population:
             break
         best_score, best = min(population.values(), key=lambda item: item[0])

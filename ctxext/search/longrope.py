@@ -18,12 +18,14 @@ from __future__ import annotations
 import json
 import shutil
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..core.active import ACTIVE
 from ..core.errors import PatchError
 from .evolution import ScoreLog, SearchSettings, search
 from .longrope_factors import native_changes, plain_rope_inputs, rescaled, start_points, verify_native
@@ -48,7 +50,7 @@ def is_search_folder(folder: Path) -> bool:
 def trained_length(model: nn.Module) -> int:
     from ..adapters import adapter_for
 
-    if getattr(model, "_ctxext_active", None) is not None:
+    if getattr(model, ACTIVE, None) is not None:
         raise PatchError("the model is patched by ctxext; the LongRoPE search starts from the unpatched model "
                          "(ctxext.unpatch(model) first)")
     length = adapter_for(model).original_length(model)
@@ -83,7 +85,7 @@ def longrope_search(model: nn.Module, tokens: torch.Tensor, settings: SearchSett
     out = Path(out)
     length = check_search(model, tokens, settings, max_windows)
     inputs = plain_rope_inputs(model, length)
-    header = {"settings": {"search": _plain(settings), "max_windows": max_windows, "trained_length": length,
+    header = {"settings": {"search": asdict(settings), "max_windows": max_windows, "trained_length": length,
                            "rope_theta": inputs.base, "rotary_dim": inputs.dim, "tokens": int(tokens.numel()),
                            **(describe or {})}}
     log = ScoreLog(out / LOG, header, resume)
@@ -115,12 +117,6 @@ def longrope_search(model: nn.Module, tokens: torch.Tensor, settings: SearchSett
                   native_config=changes, **(describe or {}))
     _write_checkpoint(model, changes, out, tokenizer, result)
     return result
-
-
-def _plain(settings: SearchSettings) -> dict[str, Any]:
-    from dataclasses import asdict
-
-    return asdict(settings)
 
 
 def _write_checkpoint(model: nn.Module, changes: dict[str, Any], out: Path, tokenizer, result: dict[str, Any]) -> None:
