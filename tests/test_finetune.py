@@ -233,16 +233,22 @@ def test_check_validates_architecture_without_weights(bases, tmp_path):
 # ------------------------------------------------------------------------------------------------ data
 
 
-def test_packing_is_deterministic_and_process_independent():
+def test_packing_is_deterministic_and_the_run_reads_it_in_order():
+    from ctxext.finetune.data import RunSamples
+
     seqs = torch.arange(7 * 5).view(7, 5)
     a, b = PackedData(seqs, seed=3), PackedData(seqs, seed=3)
     assert torch.equal(a.samples(0, 20), b.samples(0, 20))
-    # every sequence once per epoch
+    # every sequence once per epoch, a fresh order in the next
     assert sorted(a.samples(0, 7)[:, 0].tolist()) == sorted(seqs[:, 0].tolist())
-    for step in range(4):
-        one = torch.cat(a.micro_batches(step, 4, 2, 0, 1))
-        two = torch.cat(a.micro_batches(step, 4, 2, 0, 2) + a.micro_batches(step, 4, 2, 1, 2))
-        assert torch.equal(one, two)
+    assert not torch.equal(a.samples(0, 7), a.samples(7, 7))
+    # the run's item i is global sample i (Trainer reads it in order; processes take alternate micro-batches)
+    run_samples = RunSamples(a, 20)
+    assert len(run_samples) == 20
+    for i in range(20):
+        item = run_samples[i]
+        assert torch.equal(item["input_ids"], a.samples(i, 1)[0]) and torch.equal(item["labels"], item["input_ids"])
+        assert set(item) == {"input_ids", "labels"}  # no PoSE: the model's own positions
 
 
 def test_jsonl_and_max_documents(bases, tmp_path):
@@ -336,17 +342,17 @@ def test_resume_reaches_the_same_result(bases, trained):
 
 
 def test_resume_with_dropout_is_bit_identical(bases, tmp_path):
-    """With LoRA dropout the random state matters: a run stopped and resumed (accelerate's save_state / load_state)
-    draws the same dropout masks as an uninterrupted one. Checkpoints hold only the trainable weights."""
+    """With LoRA dropout the random state matters: a run stopped and resumed (Trainer's checkpoint with its random
+    states) draws the same dropout masks as an uninterrupted one. Checkpoints hold only the trainable weights."""
     from safetensors.torch import load_file
 
     extra = dict(lora={"dropout": 0.3}, train={"steps": 4}, eval={"enabled": False})
     straight = run(make(bases, tmp_path / "straight", **extra), progress=False)
     recipe = make(bases, tmp_path / "resumed", **extra)
     run(recipe, stop_after=2, progress=False)
-    ckpt = tmp_path / "resumed" / "checkpoints" / "step-000002"
-    assert (ckpt / "state.json").exists() and (ckpt / "random_states_0.pkl").exists()
-    saved = load_file(str(ckpt / "model.safetensors"))
+    ckpt = tmp_path / "resumed" / "checkpoint-2"  # Trainer's layout
+    assert (ckpt / "ctxext_state.json").exists() and (ckpt / "rng_state.pth").exists()
+    saved = load_file(str(ckpt / "adapter_model.safetensors"))
     assert saved and all("lora_" in name for name in saved), sorted(saved)[:3]  # no frozen base weights
     resumed = run(recipe, resume=True, progress=False)
     assert resumed["losses"] == straight["losses"]  # exact: same masks, same optimizer state

@@ -322,9 +322,9 @@ def stopped(base, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("stopped")
     run(recipe_from_dict(recipe(base, root / "out")), stop_after=4, progress=False)
-    ck = root / "out" / "checkpoints"
-    assert sorted(p.name for p in ck.iterdir()) == ["step-000002", "step-000004"]
-    losses = json.loads((ck / "step-000004" / "state.json").read_text())["losses"]
+    ck = root / "out"  # Trainer's layout: OUT/checkpoint-N, with ctxext's record written last
+    assert sorted(p.name for p in ck.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    losses = json.loads((ck / "checkpoint-4" / "ctxext_state.json").read_text())["losses"]
     return root / "out", losses
 
 
@@ -341,11 +341,11 @@ def _truncate(path: Path, keep: float = 0.5) -> None:
     path.write_bytes(data[: int(len(data) * keep)])
 
 
-@pytest.mark.parametrize("damage", ["model.safetensors", "optimizer.bin", "random_states_0.pkl", "state.json",
-                                    "missing:custom_checkpoint_0.pkl"])
+@pytest.mark.parametrize("damage", ["adapter_model.safetensors", "optimizer.pt", "rng_state.pth", "ctxext_state.json",
+                                    "trainer_state.json", "missing:scheduler.pt"])
 def test_resume_passes_over_a_damaged_checkpoint(stopped, tmp_path, capsys, damage):
     out, r = _copy_run(stopped, tmp_path)
-    step4 = out / "checkpoints" / "step-000004"
+    step4 = out / "checkpoint-4"
     if damage.startswith("missing:"):
         damage = damage.split(":", 1)[1]
         (step4 / damage).unlink()
@@ -358,23 +358,23 @@ def test_resume_passes_over_a_damaged_checkpoint(stopped, tmp_path, capsys, dama
     notes = [x for x in err.splitlines() if "is damaged" in x]
     assert len(notes) == 1, err
     assert f"checkpoint {step4} is damaged ({damage}: " in notes[0]
-    assert "resuming from step-000002, the newest intact one" in notes[0]
+    assert "resuming from checkpoint-2, the newest intact one" in notes[0]
     result = json.loads((out / "results.json").read_text())
     assert result["finished"] and result["steps"] == 6
     assert result["losses"][:4] == pytest.approx(stopped[1], abs=1e-6)  # steps 3-4 redone, the same
-    names = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert names == ["damaged-step-000004", "step-000002", "step-000004"], names  # new step 4; the bad one aside
-    assert ft_train.ckpt.damage(out / "checkpoints" / "step-000004") is None
+    names = sorted(p.name for p in out.glob("*checkpoint-*"))
+    assert names == ["checkpoint-2", "checkpoint-4", "damaged-checkpoint-4"], names  # new step 4; the bad one aside
+    assert ft_train.ckpt.damage(out / "checkpoint-4") is None
 
 
 def test_resume_refuses_when_no_checkpoint_is_intact(stopped, tmp_path, capsys, monkeypatch):
     out, r = _copy_run(stopped, tmp_path)
-    _truncate(out / "checkpoints" / "step-000004" / "model.safetensors")
-    _truncate(out / "checkpoints" / "step-000002" / "optimizer.bin", 0.1)
+    _truncate(out / "checkpoint-4" / "adapter_model.safetensors")
+    _truncate(out / "checkpoint-2" / "optimizer.pt", 0.1)
     with monkeypatch.context() as m:  # refused before the model loads
         m.setattr(ft_train, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
         line = assert_refused(["finetune", r, "--resume", "--no-progress"], capsys, out, "cannot resume")
-    assert "step-000004/model.safetensors is damaged (truncated: " in line
+    assert "checkpoint-4/adapter_model.safetensors is damaged (truncated: " in line
     assert "earlier checkpoint(s) are damaged too" in line and "--set output.overwrite=true" in line
     # starting over as told works past the damage
     capsys.readouterr()
@@ -383,10 +383,10 @@ def test_resume_refuses_when_no_checkpoint_is_intact(stopped, tmp_path, capsys, 
 
 
 def test_checkpoints_record_their_file_sizes(stopped):
-    state = json.loads((stopped[0] / "checkpoints" / "step-000004" / "state.json").read_text())
-    assert state["files"]["model.safetensors"] == (stopped[0] / "checkpoints" / "step-000004" /
-                                                   "model.safetensors").stat().st_size
-    assert {"optimizer.bin", "random_states_0.pkl", "custom_checkpoint_0.pkl"} <= set(state["files"])
+    folder = stopped[0] / "checkpoint-4"
+    state = json.loads((folder / "ctxext_state.json").read_text())
+    assert state["files"]["adapter_model.safetensors"] == (folder / "adapter_model.safetensors").stat().st_size
+    assert {"optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json"} <= set(state["files"])
 
 
 def test_damaged_adapter_file_is_named(base, stopped, tmp_path):

@@ -79,16 +79,20 @@ def test_position_ids_are_a_function_of_seed_and_index():
         pose_position_ids(16, 64, 1, seed=0, index=0)
 
 
-def test_positions_follow_the_sample_not_the_process_count():
+def test_positions_follow_the_sample_index():
+    """A run's example i carries PoSE positions of (seed, i) and an all-ones mask (without it transformers would
+    read the position jumps as packed-document boundaries); the process count does not enter."""
+    from ctxext.finetune.data import RunSamples
+
     seqs = torch.arange(7 * 16).view(7, 16)
     data = PackedData(seqs, seed=3, pose=(64, 2))
-    assert PackedData(seqs, seed=3).micro_batch_positions(0, 4, 2, 0, 1) is None  # no PoSE: the model's own
-    for step in range(4):
-        one = torch.cat(data.micro_batch_positions(step, 4, 2, 0, 1))
-        two = torch.cat(data.micro_batch_positions(step, 4, 2, 0, 2) + data.micro_batch_positions(step, 4, 2, 1, 2))
-        assert torch.equal(one, two)
-        assert torch.equal(one, data.positions(4 * step, 4))
-        # the same sequence drawn again in a later epoch gets new positions (index, not sequence, seeds them)
+    assert PackedData(seqs, seed=3).positions(0, 4) is None  # no PoSE: the model's own
+    samples = RunSamples(data, 16)
+    for i in range(16):
+        item = samples[i]
+        assert torch.equal(item["position_ids"], pose_position_ids(16, 64, 2, seed=3, index=i))
+        assert torch.equal(item["attention_mask"], torch.ones(16, dtype=torch.long))
+    # the same sequence drawn again in a later epoch gets new positions (index, not sequence, seeds them)
     assert not torch.equal(data.positions(0, 1), data.positions(7, 1))
 
 
@@ -186,22 +190,28 @@ def test_gpt2_without_a_longer_table_is_refused(tmp_path):
 
 
 def test_chunks_attend_to_each_other():
-    """The training forward (position ids + all-ones mask) lets the second chunk see the first: perturbing the
-    first token changes the last token's logits. Without the mask, transformers 5.x would cut the window into
-    'packed documents' at the skip."""
-    from ctxext.finetune.train import pose_inputs
+    """The training forward of a PoSE example (its position ids + all-ones mask, as the run's data emits it) lets the
+    second chunk see the first: perturbing the first token changes the last token's logits. Without the mask,
+    transformers 5.x would cut the window into 'packed documents' at the skip."""
+    from transformers import default_data_collator
 
     model = ctxext.patch(tiny_llama(), "pi", 4)
     x = (torch.arange(16) * 5 + 2).remainder(128).unsqueeze(0)
     y = x.clone()
     y[0, 0] = (y[0, 0] + 1) % 128
-    pos = torch.cat([torch.arange(4), torch.arange(4, 16) + 200]).unsqueeze(0)
+
+    def inputs(tokens):
+        batch = default_data_collator([PackedData(tokens, seed=0, pose=(256, 2)).example(0)])
+        return {k: v for k, v in batch.items() if k != "labels"}
+
+    pos = inputs(x)["position_ids"]
+    assert int(pos.diff().max()) > 1  # a skip between the chunks
     with torch.no_grad():
-        a = model(input_ids=x, **pose_inputs(x, pos)).logits[0, -1]
-        b = model(input_ids=y, **pose_inputs(y, pos)).logits[0, -1]
+        a = model(**inputs(x)).logits[0, -1]
+        b = model(**inputs(y)).logits[0, -1]
         assert (a - b).abs().max() > 1e-4
         # and the positions are used: the same tokens at consecutive positions give other logits
-        c = model(input_ids=x, **pose_inputs(x, torch.arange(16).unsqueeze(0))).logits[0, -1]
+        c = model(input_ids=x).logits[0, -1]
         assert (a - c).abs().max() > 1e-4
 
 

@@ -77,7 +77,9 @@ CASES = [
     ("output-dir-under-file", _yaml(_set(BASE, "output.dir", "notes.txt/run")), [], "cannot be made"),
     ("output-holds-finished-run", _yaml(_set(BASE, "output.dir", "runs/done")), [], "holds a finished run"),
     ("output-holds-checkpoints", _yaml(_set(BASE, "output.dir", "runs/stopped")), [],
-     "holds checkpoints of an earlier run (step-2); pass --resume"),
+     "holds checkpoints of an earlier run (checkpoint-2); pass --resume"),
+    ("output-holds-old-layout", _yaml(_set(BASE, "output.dir", "runs/old")), ["--resume"],
+     "holds checkpoints in ctxext's old layout (checkpoints/step-N/)"),
     ("resume-changed-recipe", _yaml(_set(BASE, "output.dir", "runs/stopped")), ["--resume"],
      "cannot resume from"),
     ("model-folder-missing", _yaml(_set(BASE, "model.name", "./models/mine")), [], "model.name: folder not found"),
@@ -121,10 +123,13 @@ def work(tmp_path, monkeypatch):
     (done / "log.jsonl").write_text('{"event": "start"}\n{"event": "step", "step": 1}\n')
     (done / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
     monkeypatch.chdir(w)
-    step = w / "runs" / "stopped" / "checkpoints" / "step-2"
+    step = w / "runs" / "stopped" / "checkpoint-2"  # Trainer's layout, with ctxext's record
     step.mkdir(parents=True)
     saved = recipe_from_dict(_set(_set(BASE, "train.lr", 0.5), "output.dir", "runs/stopped")).to_dict()
-    (step / "state.json").write_text(json.dumps({"step": 2, "recipe": saved}))
+    (step / "ctxext_state.json").write_text(json.dumps({"step": 2, "recipe": saved}))
+    old = w / "runs" / "old" / "checkpoints" / "step-000002"  # ctxext's layout before Trainer
+    old.mkdir(parents=True)
+    (old / "state.json").write_text(json.dumps({"step": 2, "recipe": saved}))
     return w
 
 

@@ -177,6 +177,10 @@ class TrainConfig:
     shift_attention: bool = False
     #: the group's share of the sequence, 1/n (LongLoRA's default 1/4)
     shift_group_ratio: Annotated[float, Gt(0), Le(1)] = 0.25
+    #: any other ``transformers.TrainingArguments`` field, passed through as given: ``report_to: wandb``,
+    #: ``deepspeed: ds.json``, ``fsdp: full_shard``, ``optim: adamw_torch_fused``, ``torch_compile: true``, ...
+    #: (fields the keys above set are refused here, with the key that sets them)
+    args: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -720,6 +724,10 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
         err(f"train.betas must be in [0, 1), got {t.betas}", "train.betas")
     if t.pose is not None:
         _check_pose(recipe, err)
+    if t.args:
+        from .trainer import check_args
+
+        check_args(t.args, err)
     if t.shift_attention and "train.shift_group_ratio" not in problems.bad:
         _check_shift(recipe, err)
     from transformers.trainer_utils import SchedulerType

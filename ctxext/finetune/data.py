@@ -1,7 +1,7 @@
 """Training data: documents read from files, folders, JSONL or a ``datasets`` name, tokenized, and packed
 into sequences of the target length. Deterministic: the same recipe gives the same sequences in the same
-order on every process, and a global step number alone says which sequences come next (so a resumed or
-multi-process run sees exactly the batches of an uninterrupted single-process run)."""
+order on every process, and a sample's index in the run alone says which sequence (and PoSE positions) it is
+(so a resumed or multi-process run sees exactly the batches of an uninterrupted single-process run)."""
 
 from __future__ import annotations
 
@@ -164,24 +164,33 @@ class PackedData:
         return torch.stack([pose_position_ids(self.seq_length, target, chunks, self.seed, i)
                             for i in range(start, start + count)])
 
-    @staticmethod
-    def _mine(step: int, batch_size: int, rank: int, world: int) -> tuple[int, int]:
-        per_rank = batch_size // world
-        return step * batch_size + rank * per_rank, per_rank
+    def example(self, index: int) -> dict[str, torch.Tensor]:
+        """Global sample ``index`` as a Trainer example: tokens as inputs and labels; with PoSE, its position ids
+        and an all-ones attention mask. The mask is needed: given position ids that jump and no mask, transformers
+        (5.x ``masking_utils``, ``find_packed_sequence_indices``) reads the jumps as boundaries of packed documents
+        and masks every chunk off from the ones before it, so the long distances PoSE is for would never train."""
+        ids = self.samples(index, 1)[0]
+        example = {"input_ids": ids, "labels": ids}
+        positions = self.positions(index, 1)
+        if positions is not None:
+            example.update(position_ids=positions[0], attention_mask=torch.ones_like(ids))
+        return example
 
-    def micro_batches(self, step: int, batch_size: int, micro: int, rank: int, world: int) -> list[torch.Tensor]:
-        """This process's micro-batches for optimizer step ``step`` (0-based): the global batch is samples
-        ``step*batch_size ..``, split evenly over processes, then into micro-batches."""
-        start, per_rank = self._mine(step, batch_size, rank, world)
-        mine = self.samples(start, per_rank)
-        return list(mine.split(micro))
 
-    def micro_batch_positions(self, step: int, batch_size: int, micro: int, rank: int,
-                              world: int) -> list[torch.Tensor] | None:
-        """The PoSE position ids matching :meth:`micro_batches` (same split); None without PoSE."""
-        start, per_rank = self._mine(step, batch_size, rank, world)
-        positions = self.positions(start, per_rank)
-        return None if positions is None else list(positions.split(micro))
+class RunSamples(torch.utils.data.Dataset):
+    """The run's samples in order: item ``i`` is global sample ``i`` of :class:`PackedData` (``steps x batch_size``
+    of them). Read in order (``SequentialSampler``), optimizer step ``k`` trains on samples ``k*batch ..
+    (k+1)*batch - 1`` whatever the number of processes (accelerate hands process ``r`` every world-th micro-batch),
+    and a resumed Trainer skips to exactly where the interrupted run stopped."""
+
+    def __init__(self, data: PackedData, count: int):
+        self.data, self.count = data, count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return self.data.example(index)
 
 
 def build_packed_data(recipe, tokenizer, seq_length: int, pose_target: int | None = None) -> PackedData:

@@ -1,6 +1,6 @@
-"""The fine-tune recipe script: load -> patch -> evaluate -> LoRA -> train (accelerate) -> save -> evaluate.
+"""The fine-tune recipe script: load -> patch -> evaluate -> LoRA -> train (transformers' Trainer) -> save -> evaluate.
 
-One function, :func:`run`, over the plain components in ``config``, ``model``, ``data`` and
+One function, :func:`run`, over the plain components in ``config``, ``model``, ``data``, ``trainer`` and
 ``checkpoint``. It runs the same under ``python -m ctxext finetune``, ``accelerate launch -m ctxext
 finetune`` and ``torchrun --nproc_per_node N -m ctxext finetune``: the global batch is fixed by the recipe,
 and each optimizer step consumes the same sequences whatever the number of processes.
@@ -8,11 +8,9 @@ and each optimizer step consumes the same sequences whatever the number of proce
 
 from __future__ import annotations
 
-import contextlib
 import json
-import math
+import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,7 @@ from ..attention.shifted_sparse import check_shift_attention, enable_shift_atten
 from ..core.errors import PatchError
 from . import checkpoint as ckpt
 from .config import Recipe, RecipeError, check_model_sources
-from .data import build_packed_data, read_eval_tokens
+from .data import RunSamples, build_packed_data, read_eval_tokens
 from .model import (
     add_lora,
     apply_patch,
@@ -38,36 +36,6 @@ from .model import (
 )
 
 PATCH_FILE = "ctxext_patch.json"
-
-
-class RunLog:
-    """Append-only JSON lines (main process only)."""
-
-    def __init__(self, path: Path, enabled: bool):
-        self.path = path
-        self.enabled = enabled
-
-    def write(self, **record: Any) -> None:
-        if not self.enabled:
-            return
-        record.setdefault("time", round(time.time(), 3))
-        with self.path.open("a") as fh:
-            fh.write(json.dumps(record) + "\n")
-
-    def truncate_after(self, step: int) -> None:
-        """Drop step records past ``step`` (left by an interrupted run that is being resumed)."""
-        if not self.enabled or not self.path.exists():
-            return
-        keep = []
-        for line in self.path.read_text().splitlines():
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if rec.get("event") == "step" and rec.get("step", 0) > step:
-                continue
-            keep.append(line)
-        self.path.write_text("".join(line + "\n" for line in keep))
 
 
 def check_output(recipe: Recipe) -> None:
@@ -182,14 +150,6 @@ def _pose_target(recipe: Recipe, spec: dict | None, model, seq_length: int) -> i
     return target
 
 
-def pose_inputs(batch: torch.Tensor, positions: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The forward arguments of a PoSE micro-batch besides the tokens: its position ids, and an all-ones attention
-    mask. The mask is needed: given position ids that jump and no mask, transformers (5.x ``masking_utils``,
-    ``find_packed_sequence_indices``) reads the jumps as boundaries of packed documents and masks every chunk off
-    from the ones before it, so the long distances PoSE is for would never be trained."""
-    return {"position_ids": positions.to(batch.device), "attention_mask": torch.ones_like(batch)}
-
-
 def _accumulation(recipe: Recipe, world: int) -> int:
     t = recipe.train
     if t.batch_size % world:
@@ -231,6 +191,40 @@ def _evaluate(recipe: Recipe, model, tokens: torch.Tensor, lengths: list[int], s
     return results
 
 
+def _refuse_finished_or_stale(recipe: Recipe, out: Path, resume: bool, say) -> tuple[Path | None, list, dict | None]:
+    """What output.dir holds decides the start: a finished run (returned as the summary when resuming), checkpoints
+    of an earlier run (resumed with --resume, refused otherwise), damaged checkpoints (passed over). Returns (the
+    checkpoint to resume, the damaged ones newer than it, a finished run's summary)."""
+    finished = out / "results.json"
+    if finished.exists() and not recipe.output.overwrite:
+        if resume:
+            say(f"{out} holds a finished run; nothing to resume")
+            return None, [], json.loads(finished.read_text())
+        raise RecipeError(
+            f"output.dir {str(out)!r} holds a finished run; choose another folder or --set output.overwrite=true")
+    if not recipe.output.overwrite:
+        ckpt.refuse_old_layout(out)
+    latest = ckpt.latest(out)
+    if latest is not None and not resume and not recipe.output.overwrite:
+        raise RecipeError(
+            f"output.dir {str(out)!r} holds checkpoints of an earlier run ({latest.name}); pass --resume to continue "
+            "it, or --set output.overwrite=true to start over")
+    if not (resume and latest is not None):
+        return None, [], None
+    latest, damaged = ckpt.newest_intact(out)
+    if latest is None:
+        path, name, why = damaged[0]
+        more = f"; the {len(damaged) - 1} earlier checkpoint(s) are damaged too" if len(damaged) > 1 else ""
+        raise RecipeError(
+            f"cannot resume: checkpoint file {path / name} is damaged ({why}){more}, and no intact checkpoint is "
+            f"left in {out}; start over with --set output.overwrite=true")
+    for path, name, why in damaged:
+        say(f"checkpoint {path} is damaged ({name}: {why}); resuming from {latest.name}, the newest intact one "
+            f"(the damaged folder is set aside as {ckpt.DAMAGED_PREFIX}{path.name} when training starts)")
+    ckpt.check_compatible(latest, recipe)
+    return latest, damaged, None
+
+
 def run(
     recipe: Recipe,
     *,
@@ -241,58 +235,32 @@ def run(
     """Run a recipe. ``resume`` continues from the newest checkpoint in ``output.dir``; ``stop_after`` ends
     this invocation after that many optimizer steps (with a checkpoint), as an interruption would.
     Returns the run summary (also written to ``output.dir/results.json``)."""
-    from accelerate import Accelerator, DistributedType
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
-    from transformers import get_scheduler
+    from accelerate import PartialState
+    from transformers import default_data_collator, set_seed
+
+    from .trainer import RunCallback, RunLog, RunTrainer, training_arguments
 
     t = recipe.train
     out = Path(recipe.output.dir)
-    # -- checks that need no weights, on every process, before anything heavy
+    check_output(recipe)  # before anything is fetched or loaded: a run that could not save must not start
     def refuse(message, _key):
         raise RecipeError(message)
 
-    check_output(recipe)  # before anything is fetched or loaded: a run that could not save must not start
     check_model_sources(recipe.model, refuse, hub=True)  # a model that cannot load fails now, not after retries
     checked = check(recipe)
-    # accelerate starts a multi-process (gloo) CPU run only when told cpu=True
-    acc = Accelerator(cpu=t.cpu or not _has_accelerator(), mixed_precision=t.mixed_precision)
-    main = acc.is_main_process
-    world = acc.num_processes
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun / accelerate launch set it
     accum = _accumulation(recipe, world)
+    args = training_arguments(recipe, accum, progress, use_cpu=t.cpu or not _has_accelerator())
+    state = PartialState()  # the process group TrainingArguments set up; evaluation splits its windows over it
+    main = state.is_main_process
 
     def say(msg: str) -> None:
         if main:
             print(f"[finetune] {msg}", file=sys.stderr, flush=True)
 
-    finished = out / "results.json"
-    if finished.exists() and not recipe.output.overwrite:
-        if resume:
-            say(f"{out} holds a finished run; nothing to resume")
-            return json.loads(finished.read_text())
-        raise RecipeError(
-            f"output.dir {str(out)!r} holds a finished run; choose another folder or --set output.overwrite=true"
-        )
-    latest = ckpt.latest(out)
-    if latest is not None and not resume and not recipe.output.overwrite:
-        raise RecipeError(
-            f"output.dir {str(out)!r} holds checkpoints of an earlier run ({latest.name}); pass --resume to continue "
-            "it, or --set output.overwrite=true to start over"
-        )
-    damaged: list[tuple[Path, str, str]] = []  # (checkpoint folder, file, what is wrong), newest first
-    if resume and latest is not None:
-        latest, damaged = ckpt.newest_intact(out)
-        if latest is None:
-            path, name, why = damaged[0]
-            more = (f"; the {len(damaged) - 1} earlier checkpoint(s) are damaged too" if len(damaged) > 1 else "")
-            raise RecipeError(
-                f"cannot resume: checkpoint file {path / name} is damaged ({why}){more}, and no intact checkpoint is "
-                f"left in {out / ckpt.DIRNAME}; start over with --set output.overwrite=true"
-            )
-        for path, name, why in damaged:
-            say(f"checkpoint {path} is damaged ({name}: {why}); resuming from {latest.name}, the newest intact one "
-                f"(the damaged folder is set aside as {ckpt.DAMAGED_PREFIX}{path.name} when training starts)")
-        ckpt.check_compatible(latest, recipe)
+    latest, damaged, finished = _refuse_finished_or_stale(recipe, out, resume, say)
+    if finished is not None:
+        return finished
     log = RunLog(out / "log.jsonl", main)
 
     # -- model, patch, data
@@ -315,30 +283,33 @@ def run(
     seq_length = checked.get("seq_length")
     pose_target = checked.get("pose_target")
     eval_lengths = list(recipe.eval.lengths) or ([pose_target or seq_length] if seq_length else [])
-    state: dict[str, Any] = {"step": 0, "tokens": 0, "elapsed": 0.0, "unpatched": None, "before": None, "losses": []}
-    resuming = resume and latest is not None
+    record: dict[str, Any] = {"elapsed": 0.0, "unpatched": None, "before": None, "losses": []}
+    model.to(args.device)
     if t.pose is not None and recipe.patch.method is None and pose_target:
         # no patch to wait for: probe before any evaluation (it runs again after the no-op patch: two tiny passes)
-        model.to(acc.device)
         check_position_input(model, pose_target)
-    if resuming:
-        state.update(ckpt.read_state(latest))
+    if latest is not None:
+        record.update({k: v for k, v in ckpt.read_state(latest).items() if k in record})
     elif recipe.eval.enabled and recipe.eval.unpatched and eval_lengths:
-        model.to(acc.device)
         say(f"perplexity of the unpatched model on {eval_label} at {', '.join(map(str, eval_lengths))} tokens")
-        state["unpatched"] = _evaluate(recipe, model, eval_tokens, eval_lengths, acc.state, progress, tolerant=True)
+        record["unpatched"] = _evaluate(recipe, model, eval_tokens, eval_lengths, state, progress, tolerant=True)
     spec = apply_patch(recipe, model)
     seq_length = _seq_length(recipe, spec, model)
     if t.pose is not None:
         pose_target = _pose_target(recipe, spec, model, seq_length)
-        model.to(acc.device)
+        model.to(args.device)
         check_position_input(model, pose_target, recipe.patch.method)
     eval_lengths = eval_lengths or [pose_target or seq_length]
     data = build_packed_data(recipe, tokenizer, seq_length, pose_target)
     check_data_size(recipe, len(data), seq_length)
+    if t.shift_attention:  # the length is known only now (the patch can set it): checked before any training
+        try:
+            check_shift_attention(seq_length, t.shift_group_ratio, recipe.patch.method, model=model)
+        except PatchError as exc:
+            raise RecipeError(f"train.shift_attention: {exc}") from None
     # -- only now, with the model loaded and the data read, is the output folder made (or an old run cleared):
     # a recipe that fails before this point leaves output.dir exactly as it was
-    acc.wait_for_everyone()
+    state.wait_for_everyone()
     if main:
         out.mkdir(parents=True, exist_ok=True)
         if recipe.output.overwrite and not resume:
@@ -346,8 +317,7 @@ def run(
             for name in ("log.jsonl", "results.json", "recipe.yaml", PATCH_FILE):
                 (out / name).unlink(missing_ok=True)
         ckpt.set_aside([path for path, _, _ in damaged])  # newer than the one resumed: they must not count as newest
-    acc.wait_for_everyone()
-    tokens_per_step = t.batch_size * seq_length
+    state.wait_for_everyone()
     say(
         f"patch: {spec['method'] + ' x' + format(spec['factor'] or 1, 'g') if spec else 'none'}; "
         f"{len(data)} sequences of {seq_length} tokens"
@@ -355,123 +325,53 @@ def run(
         + f"; global batch {t.batch_size} = {world} process(es) x "
         f"{accum} accumulation x {t.micro_batch_size} micro-batch; {t.steps} steps"
     )
-    model.to(acc.device)
-
-    if not resuming:
-        if state["unpatched"] is not None:
-            log.write(event="eval", when="unpatched", results=state["unpatched"])
+    model.to(args.device)
+    if latest is None:
+        if record["unpatched"] is not None:
+            log.write(event="eval", when="unpatched", results=record["unpatched"])
         log.write(event="start", recipe=recipe.to_dict(), world_size=world, accumulation=accum,
                   seq_length=seq_length, pose_target=pose_target, sequences=len(data), patch=spec,
-                  device=str(acc.device))
+                  device=str(args.device))
         if main:
             (out / "recipe.yaml").write_text(recipe.to_yaml(absolute_paths=True))
         if recipe.eval.enabled and recipe.eval.before:
             say(f"perplexity before training on {eval_label} at {', '.join(map(str, eval_lengths))} tokens")
-            state["before"] = _evaluate(recipe, model, eval_tokens, eval_lengths, acc.state, progress)
-            log.write(event="eval", when="before", results=state["before"])
+            record["before"] = _evaluate(recipe, model, eval_tokens, eval_lengths, state, progress)
+            log.write(event="eval", when="before", results=record["before"])
 
-    # -- LoRA, optimizer, schedule
-    if t.gradient_checkpointing:
-        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
-            model.activation_checkpointing_enable({"use_reentrant": False})
-        else:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # -- LoRA, then Trainer
     model.config.use_cache = False
-    if t.shift_attention:  # the length is known only now (the patch can set it): checked before any training
-        try:
-            check_shift_attention(seq_length, t.shift_group_ratio, recipe.patch.method, model=model)
-        except PatchError as exc:
-            raise RecipeError(f"train.shift_attention: {exc}") from None
     set_seed(t.seed)
     model = add_lora(recipe, model, source)
-    # S²-Attn while training only: evaluation (model.eval()) already runs full attention; undone before the save
-    undo_shift = enable_shift_attention(model, t.shift_group_ratio) if t.shift_attention else None
     n_train, n_total = count_parameters(model)
     say(f"LoRA r={recipe.lora.r}: {n_train:,} trainable of {n_total:,} parameters "
         f"({100 * n_train / n_total:.2f}%)")
+    tokens_per_step = t.batch_size * seq_length
+    callback = RunCallback(recipe, record, log, tokens_per_step, stop_after)
+    trainer = RunTrainer(model=model, args=args, train_dataset=RunSamples(data, t.steps * t.batch_size),
+                         data_collator=default_data_collator, callbacks=[callback])
+    from transformers.trainer_callback import PrinterCallback
 
-    def make_optimizer(m):
-        trainable = [p for p in m.parameters() if p.requires_grad]
-        return torch.optim.AdamW(trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
-
-    if acc.distributed_type == DistributedType.DEEPSPEED:  # DeepSpeed wants both at once
-        model, optimizer = acc.prepare(model, make_optimizer(model))
-    else:  # FSDP wants the optimizer built on the wrapped model's parameters
-        model = acc.prepare(model)
-        optimizer = acc.prepare(make_optimizer(model))
-    # The scheduler is stepped once per optimizer step by hand: accelerate's wrapper would step it once per
-    # process, making the schedule depend on the process count.
-    scheduler = get_scheduler(t.scheduler, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=t.steps)
-    ckpt.register(acc, scheduler)
-
-    if resuming:
-        ckpt.load(latest, acc)
-        log.truncate_after(state["step"])
-        log.write(event="resume", step=state["step"], checkpoint=latest.name, world_size=world)
-        say(f"resumed from {latest} at step {state['step']}")
-
-    # -- train
-    start = state["step"]
-    bar = tqdm(total=t.steps, initial=start, desc="finetune", unit="step", disable=not (main and progress),
-               dynamic_ncols=True)
-    model.train()
-    ran = 0
-    while state["step"] < t.steps:
-        if stop_after is not None and ran >= stop_after:
-            break
-        step = state["step"]
-        tic = time.perf_counter()
-        batches = data.micro_batches(step, t.batch_size, t.micro_batch_size, acc.process_index, world)
-        positions = data.micro_batch_positions(step, t.batch_size, t.micro_batch_size, acc.process_index, world)
-        total = torch.zeros((), device=acc.device, dtype=torch.float64)
-        for i, batch in enumerate(batches):
-            batch = batch.to(acc.device)
-            sync = i == len(batches) - 1
-            extra = {} if positions is None else pose_inputs(batch, positions[i])
-            with acc.no_sync(model) if not sync else contextlib.nullcontext():
-                loss = model(input_ids=batch, labels=batch, use_cache=False, **extra).loss
-                acc.backward(loss / accum)
-            total += loss.detach().double()
-        grad_norm = None
-        if t.max_grad_norm:
-            grad_norm = acc.clip_grad_norm_(model.parameters(), t.max_grad_norm)
-        lr = scheduler.get_last_lr()[0]
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        mean_loss = acc.reduce(total / accum, reduction="mean").item()
-        seconds = time.perf_counter() - tic
-        state["step"] = step + 1
-        state["tokens"] += tokens_per_step
-        state["elapsed"] += seconds
-        state["losses"].append(mean_loss)
-        ran += 1
-        tok_s = tokens_per_step / seconds if seconds > 0 else float("nan")
-        bar.update(1)
-        bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tok_s:,.0f}")
-        if state["step"] % t.log_every == 0 or state["step"] == t.steps:
-            log.write(event="step", step=state["step"], loss=mean_loss, lr=lr,
-                      grad_norm=None if grad_norm is None else float(grad_norm), tokens=state["tokens"],
-                      tokens_per_s=tok_s, seconds=seconds)
-        if not math.isfinite(mean_loss):
-            bar.close()
-            raise RecipeError(f"loss is {mean_loss} at step {state['step']}: lower train.lr (or lora.alpha / lora.r, "
-                              "the scale of the LoRA update), or check the data")
-        stopping = stop_after is not None and ran >= stop_after and state["step"] < t.steps
-        if (t.save_every and state["step"] % t.save_every == 0 and state["step"] < t.steps) or stopping:
-            path = ckpt.save(out, acc, state, recipe, keep=t.keep_checkpoints)
-            log.write(event="checkpoint", step=state["step"], path=str(path))
-    bar.close()
-    if undo_shift is not None:
-        undo_shift()
-
-    if state["step"] < t.steps:
-        say(f"stopped after step {state['step']} of {t.steps}; continue with --resume")
-        return {"finished": False, "step": state["step"], "losses": state["losses"], "output": str(out)}
+    trainer.remove_callback(PrinterCallback)  # the step records go to log.jsonl, not stdout
+    if latest is not None:
+        log.truncate_after(int(json.loads((latest / "trainer_state.json").read_text())["global_step"]))
+        log.write(event="resume", step=ckpt.read_state(latest)["step"], checkpoint=latest.name, world_size=world)
+        say(f"resuming from {latest}")
+    # S²-Attn while training only: evaluation (model.eval()) already runs full attention; undone before the save
+    undo_shift = enable_shift_attention(model, t.shift_group_ratio) if t.shift_attention else None
+    try:
+        trainer.train(resume_from_checkpoint=str(latest) if latest is not None else None)
+    finally:
+        if undo_shift is not None:
+            undo_shift()
+    step = trainer.state.global_step
+    if step < t.steps:
+        say(f"stopped after step {step} of {t.steps}; continue with --resume")
+        return {"finished": False, "step": step, "losses": record["losses"], "output": str(out)}
 
     # -- save the adapter and the patch spec
-    peft_model = acc.unwrap_model(model)
-    acc.wait_for_everyone()
+    peft_model = trainer.accelerator.unwrap_model(trainer.model)
+    state.wait_for_everyone()
     if main:
         peft_model.save_pretrained(str(out))
         tokenizer.save_pretrained(str(out / "tokenizer"))
@@ -479,13 +379,13 @@ def run(
             (out / PATCH_FILE).write_text(json.dumps(spec, indent=2) + "\n")
         else:
             (out / PATCH_FILE).unlink(missing_ok=True)
-    acc.wait_for_everyone()
+    state.wait_for_everyone()
     say(f"adapter saved to {out}")
 
     after = None
     if recipe.eval.enabled:
         say(f"perplexity after training on {eval_label} at {', '.join(map(str, eval_lengths))} tokens")
-        after = _evaluate(recipe, peft_model, eval_tokens, eval_lengths, acc.state, progress)
+        after = _evaluate(recipe, peft_model, eval_tokens, eval_lengths, state, progress)
         log.write(event="eval", when="after", results=after)
 
     summary = {
@@ -495,15 +395,15 @@ def run(
         "patch": spec,
         "seq_length": seq_length,
         "pose": None if pose_target is None else {"target_length": pose_target, "chunks": t.pose.chunks},
-        "steps": state["step"],
-        "tokens": state["tokens"],
-        "train_seconds": round(state["elapsed"], 2),
+        "steps": step,
+        "tokens": step * tokens_per_step,
+        "train_seconds": round(record["elapsed"], 2),
         "world_size": world,
-        "final_loss": state["losses"][-1] if state["losses"] else None,
-        "losses": state["losses"],
+        "final_loss": record["losses"][-1] if record["losses"] else None,
+        "losses": record["losses"],
         "eval_data": eval_label,
-        "unpatched": state["unpatched"],
-        "before": state["before"],
+        "unpatched": record["unpatched"],
+        "before": record["before"],
         "after": after,
     }
     if recipe.output.merged:
@@ -515,18 +415,15 @@ def run(
                 say("merged: the trained position table is saved as the model's own (no patch to re-apply)")
             merged.save_pretrained(str(merged_dir))
             tokenizer.save_pretrained(str(merged_dir))
-        acc.wait_for_everyone()
+        state.wait_for_everyone()
         summary["merged"] = str(merged_dir)
         say(f"merged model saved to {merged_dir}")
     if main:
         (out / "results.json").write_text(json.dumps(summary, indent=2) + "\n")
-        log.write(event="end", final_loss=summary["final_loss"], steps=state["step"], before=state["before"],
-                  after=after)
+        log.write(event="end", final_loss=summary["final_loss"], steps=step, before=record["before"], after=after)
         print(format_summary(summary), flush=True)
-    acc.wait_for_everyone()
-    acc.end_training()
+    state.wait_for_everyone()
     return summary
-
 
 def _has_accelerator() -> bool:
     probe = getattr(getattr(torch, "accelerator", None), "is_available", None)

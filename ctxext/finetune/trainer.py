@@ -1,0 +1,150 @@
+"""What ``ctxext finetune`` hands to ``transformers.Trainer``: the TrainingArguments a recipe's ``train:`` section
+means, the run's samples read in order, and one callback for what Trainer does not do (the JSON-lines log, a stop
+on a non-finite loss, ``--stop-after``, ctxext's record in each checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from . import checkpoint as ckpt
+from .config import Recipe, RecipeError
+
+#: TrainingArguments fields a recipe sets through its own keys (train.args may not set them again)
+OWNED = {
+    "output_dir": "output.dir", "max_steps": "train.steps", "num_train_epochs": "train.steps",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.batch_size (the global batch; accumulation follows from it)",
+    "learning_rate": "train.lr", "warmup_steps": "train.warmup_steps", "lr_scheduler_type": "train.scheduler",
+    "weight_decay": "train.weight_decay", "adam_beta1": "train.betas", "adam_beta2": "train.betas",
+    "max_grad_norm": "train.max_grad_norm", "gradient_checkpointing": "train.gradient_checkpointing",
+    "activation_checkpointing": "train.gradient_checkpointing",
+    "bf16": "train.mixed_precision", "fp16": "train.mixed_precision", "seed": "train.seed",
+    "logging_steps": "train.log_every", "save_steps": "train.save_every", "save_strategy": "train.save_every",
+    "save_total_limit": "train.keep_checkpoints", "use_cpu": "train.cpu", "resume_from_checkpoint": "--resume",
+    "disable_tqdm": "--no-progress", "logging_nan_inf_filter": "ctxext (a non-finite loss stops the run)",
+    "remove_unused_columns": "ctxext (its examples hold only model inputs)",
+}
+
+
+def _fields() -> set[str]:
+    import dataclasses
+
+    return {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+def check_args(args: dict, err) -> None:
+    """train.args: every key a TrainingArguments field that no recipe key already sets."""
+    fields = _fields()
+    for key in args:
+        if key in OWNED:
+            err(f"train.args.{key}: set by {OWNED[key]}", f"train.args.{key}")
+        elif key not in fields:  # a field of another transformers release is named as such
+            err(f"train.args.{key}: not a transformers.TrainingArguments field (transformers "
+                f"{__import__('transformers').__version__})", f"train.args.{key}")
+
+
+def training_arguments(recipe: Recipe, accumulation: int, progress: bool, use_cpu: bool) -> TrainingArguments:
+    t = recipe.train
+    mapped = dict(
+        output_dir=str(recipe.output.dir), max_steps=t.steps, per_device_train_batch_size=t.micro_batch_size,
+        gradient_accumulation_steps=accumulation, learning_rate=t.lr, warmup_steps=t.warmup_steps,
+        lr_scheduler_type=t.scheduler, weight_decay=t.weight_decay, adam_beta1=t.betas[0], adam_beta2=t.betas[1],
+        max_grad_norm=t.max_grad_norm or 0.0, bf16=t.mixed_precision == "bf16",
+        fp16=t.mixed_precision == "fp16", seed=t.seed, logging_steps=t.log_every, logging_nan_inf_filter=False,
+        save_strategy="steps" if t.save_every else "no", save_steps=t.save_every or 500,
+        save_total_limit=t.keep_checkpoints or None, use_cpu=use_cpu, disable_tqdm=not progress,
+        remove_unused_columns=False, report_to="none", optim="adamw_torch",
+    )
+    # transformers 5.x renamed gradient checkpointing to activation checkpointing (the old names warn)
+    name = "activation_checkpointing" if "activation_checkpointing" in _fields() else "gradient_checkpointing"
+    mapped.update({name: t.gradient_checkpointing, f"{name}_kwargs": {"use_reentrant": False}})
+    mapped.update(t.args)
+    try:
+        return TrainingArguments(**mapped)
+    except (ValueError, TypeError, ImportError) as exc:
+        raise RecipeError(f"train.args: transformers.TrainingArguments refused them: "
+                          f"{' '.join(str(exc).split())}") from None
+
+
+class RunTrainer(Trainer):
+    """Trainer reading the run's samples in order: their order is already the seeded shuffle (``RunSamples``)."""
+
+    def _get_train_sampler(self, *args, **kwargs):
+        return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+class RunCallback(TrainerCallback):
+    """The run's record: ``log.jsonl`` step records (main process), the losses, a stop on a non-finite loss,
+    ``--stop-after N`` (stop with a checkpoint after N steps in this invocation), ctxext's checkpoint record."""
+
+    def __init__(self, recipe: Recipe, record: dict[str, Any], log, tokens_per_step: int, stop_after: int | None):
+        self.recipe, self.record, self.log = recipe, record, log
+        self.tokens_per_step, self.stop_after = tokens_per_step, stop_after
+        self.ran, self.tic, self.seconds = 0, 0.0, 0.0
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.tic = time.perf_counter()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.seconds = time.perf_counter() - self.tic
+        self.record["elapsed"] += self.seconds
+        self.ran += 1
+        if state.global_step >= state.max_steps:
+            control.should_save = False  # the adapter is saved at the end; a last checkpoint would only take room
+        elif self.stop_after is not None and self.ran >= self.stop_after:
+            control.should_save = control.should_training_stop = True
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs:
+            return
+        loss = float(logs["loss"])
+        self.record["losses"].append(loss)
+        tok_s = self.tokens_per_step / self.seconds if self.seconds > 0 else float("nan")
+        grad = logs.get("grad_norm")
+        self.log.write(event="step", step=state.global_step, loss=loss, lr=logs.get("learning_rate"),
+                       grad_norm=None if grad is None else float(grad),
+                       tokens=state.global_step * self.tokens_per_step, tokens_per_s=tok_s, seconds=self.seconds)
+        if not math.isfinite(loss):
+            raise RecipeError(f"loss is {loss} at step {state.global_step}: lower train.lr (or lora.alpha / lora.r, "
+                              "the scale of the LoRA update), or check the data")
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            path = Path(args.output_dir) / f"{ckpt.PREFIX}{state.global_step}"
+            ckpt.write_state(path, dict(self.record, step=state.global_step, recipe=self.recipe.to_dict(),
+                                        world_size=args.world_size))
+            self.log.write(event="checkpoint", step=state.global_step, path=str(path))
+
+
+class RunLog:
+    """Append-only JSON lines (main process only)."""
+
+    def __init__(self, path: Path, enabled: bool):
+        self.path, self.enabled = path, enabled
+
+    def write(self, **record: Any) -> None:
+        if self.enabled:
+            record.setdefault("time", round(time.time(), 3))
+            with self.path.open("a") as fh:
+                fh.write(json.dumps(record) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """Drop step records past ``step`` (left by an interrupted run that is being resumed)."""
+        if not self.enabled or not self.path.exists():
+            return
+        keep = []
+        for line in self.path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if not (rec.get("event") == "step" and rec.get("step", 0) > step):
+                keep.append(line)
+        self.path.write_text("".join(line + "\n" for line in keep))

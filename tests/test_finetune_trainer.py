@@ -1,0 +1,102 @@
+"""`ctxext finetune` on transformers' Trainer: train.args passes TrainingArguments through (refused with its key path
+where unknown or owned by a recipe key), the run's callback stops on a non-finite loss, and an old-layout output
+folder is refused with the new layout named."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("peft")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_finetune import bases, make  # noqa: E402,F401
+
+from ctxext.finetune import RecipeError, run  # noqa: E402
+from ctxext.finetune.trainer import training_arguments  # noqa: E402
+
+QUICK = dict(train={"steps": 2, "save_every": 0, "gradient_checkpointing": False}, eval={"enabled": False})
+
+
+def _make(bases, out, args=None, **sections):  # noqa: F811
+    train = {**QUICK["train"], **sections.pop("train", {}), **({"args": args} if args is not None else {})}
+    return make(bases, out, train=train, eval=QUICK["eval"], **sections)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"bogus_field": 1}, "train.args.bogus_field: not a transformers.TrainingArguments field"),
+    ({"learning_rate": 0.1}, "train.args.learning_rate: set by train.lr"),
+    ({"per_device_train_batch_size": 8}, "train.args.per_device_train_batch_size: set by train.micro_batch_size"),
+    ({"output_dir": "/tmp/x"}, "train.args.output_dir: set by output.dir"),
+])
+def test_train_args_refused_with_their_key_path(bases, tmp_path, args, message):  # noqa: F811
+    with pytest.raises(RecipeError) as err:
+        _make(bases, tmp_path / "out", args=args)
+    assert any(message in p for p in err.value.problems), err.value.problems
+    assert not (tmp_path / "out").exists()
+
+
+def test_train_args_reach_trainingarguments(bases, tmp_path):  # noqa: F811
+    recipe = _make(bases, tmp_path / "out", args={"optim": "sgd", "adam_epsilon": 1e-6, "dataloader_num_workers": 0})
+    args = training_arguments(recipe, accumulation=2, progress=False, use_cpu=True)
+    assert args.optim == "sgd" and args.adam_epsilon == 1e-6
+    # the recipe's own keys, mapped
+    t = recipe.train
+    assert (args.max_steps, args.learning_rate, args.per_device_train_batch_size, args.gradient_accumulation_steps,
+            args.lr_scheduler_type, args.warmup_steps, args.seed) == (t.steps, t.lr, t.micro_batch_size, 2, "cosine",
+                                                                      t.warmup_steps, t.seed)
+    assert args.output_dir == str(tmp_path / "out") and args.save_strategy == "no"
+
+
+def test_train_args_change_the_training(bases, tmp_path):  # noqa: F811
+    """The optimizer named in train.args is the one that trains: SGD and the default AdamW part at step 2."""
+    no_warmup = {"warmup_steps": 0}  # (a warmup step trains at lr 0)
+    adamw = run(_make(bases, tmp_path / "adamw", train=no_warmup), progress=False)
+    sgd = run(_make(bases, tmp_path / "sgd", args={"optim": "sgd"}, train=no_warmup), progress=False)
+    assert adamw["losses"][0] == pytest.approx(sgd["losses"][0], rel=1e-6)  # same start
+    assert adamw["losses"][1] != pytest.approx(sgd["losses"][1], rel=1e-6)
+
+
+def test_a_bad_train_args_value_is_refused_before_anything_is_written(bases, tmp_path):  # noqa: F811
+    recipe = _make(bases, tmp_path / "out", args={"optim": "no_such_optimizer"})
+    with pytest.raises(RecipeError, match="train.args: transformers.TrainingArguments refused them"):
+        run(recipe, progress=False)
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_finite_loss_stops_the_run(bases, tmp_path, monkeypatch):  # noqa: F811
+    """A loss that turns non-finite stops the run with the step and what to lower (Trainer's own nan/inf filter is
+    off, so the logged loss is the real one)."""
+    from ctxext.finetune import data as ft_data
+
+    real = ft_data.PackedData.example
+
+    def poisoned(self, index):  # from the run's sample 2 (step 2) on, no token is scored: the loss is 0 / 0
+        example = real(self, index)
+        return example if index < 2 else dict(example, labels=example["labels"].clone().fill_(-100))
+
+    monkeypatch.setattr(ft_data.PackedData, "example", poisoned)
+    with pytest.raises(RecipeError, match=r"loss is nan at step 2: lower train.lr"):
+        run(_make(bases, tmp_path / "out", train={"batch_size": 2, "micro_batch_size": 2}), progress=False)
+    steps = [json.loads(x) for x in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in steps if e["event"] == "step"] == [1, 2]
+
+
+def test_trainer_checkpoint_holds_ctxext_record(bases, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    recipe = _make(bases, out, train={"steps": 4, "save_every": 2})
+    part = run(recipe, stop_after=3, progress=False)
+    assert not part["finished"] and part["step"] == 3
+    # save_every 2 wrote checkpoint-2; --stop-after 3 wrote checkpoint-3
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    record = json.loads((out / "checkpoint-3" / "ctxext_state.json").read_text())
+    assert record["step"] == 3 and len(record["losses"]) == 3 and record["recipe"]["train"]["steps"] == 4
+    assert json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())["global_step"] == 3
+    done = run(recipe, resume=True, progress=False)
+    assert done["finished"] and len(done["losses"]) == 4
+    assert not (out / "checkpoint-4").exists()  # the end saves the adapter, not a last checkpoint
+    assert torch.isfinite(torch.tensor(done["losses"])).all()
