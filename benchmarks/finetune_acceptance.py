@@ -107,8 +107,9 @@ def run_one(key: str, steps: int | None, out_root: Path, extra: list[str]) -> di
 
 
 def evaluate_checkpoint(run_dir: Path, checkpoint: str, lengths: list[int] | None = None) -> dict:
-    """Held-out perplexity of an intermediate checkpoint (``checkpoints/step-N``) of a run, with its recipe's eval
+    """Held-out perplexity of an intermediate checkpoint (Trainer's ``checkpoint-N``) of a run, with its recipe's eval
     settings: for a run stopped before its last step."""
+    from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
     from ctxext.evaluation.perplexity import perplexity
@@ -122,10 +123,7 @@ def evaluate_checkpoint(run_dir: Path, checkpoint: str, lengths: list[int] | Non
     model = load_model(recipe.model)
     spec = apply_patch(recipe, model)
     model = add_lora(recipe, model, model_source(recipe.model))
-    weights = load_file(str(run_dir / "checkpoints" / checkpoint / "model.safetensors"))
-    params = dict(model.named_parameters())
-    for name, value in weights.items():
-        params[name].data.copy_(value)
+    set_peft_model_state_dict(model, load_file(str(run_dir / checkpoint / "adapter_model.safetensors")))
     model.eval()
     e = recipe.eval
     lengths = lengths or list(e.lengths) or [recipe.data.seq_length or spec["patched_length"]]
@@ -147,7 +145,7 @@ def partial_summary(run_dir: Path, checkpoint: str) -> dict:
     planned = start["recipe"]["train"]["steps"]
     return {
         "finished": False,
-        "stopped": f"stopped at step {step} of {planned} (time); evaluated from checkpoints/{checkpoint}",
+        "stopped": f"stopped at step {step} of {planned} (time); evaluated from {checkpoint}",
         "model": start["recipe"]["model"]["name"],
         "patch": start["patch"],
         "seq_length": start["seq_length"],
@@ -319,8 +317,8 @@ def main() -> int:
     p.add_argument("--notes", type=Path, help="a Markdown file appended to the report (how the runs were made)")
     p.add_argument("--time-steps", type=int, default=0, metavar="N",
                    help="time N steps of the pi and pose recipes back to back; adds seconds per step to the report")
-    p.add_argument("--checkpoint", action="append", default=[], metavar="RUN=step-N",
-                   help="report a run stopped early from its checkpoint (e.g. pi=step-000050), evaluated now")
+    p.add_argument("--checkpoint", action="append", default=[], metavar="RUN=checkpoint-N",
+                   help="report a run stopped early from its checkpoint (e.g. pi=checkpoint-50), evaluated now")
     args = p.parse_args()
     args.checkpoint = dict(item.split("=", 1) for item in args.checkpoint)
 

@@ -115,8 +115,8 @@ def test_shipped_recipes_parse():
     [
         ({"extra": {"x": 1}}, "unknown section(s) extra"),
         ({"train": {"stepz": 5}}, "unknown key(s) train.stepz; train accepts: steps"),
-        ({"train": {"steps": "many"}}, "train.steps: must be an integer"),
-        ({"train": {"steps": 0}}, "train.steps must be >= 1"),
+        ({"train": {"steps": "many"}}, "train.steps: input should be a valid integer, unable to parse string as an integer"),
+        ({"train": {"steps": 0}}, "train.steps: input should be greater than or equal to 1, got 0"),
         ({"train": {"batch_size": 5, "micro_batch_size": 2}}, "must be a multiple of train.micro_batch_size"),
         ({"train": {"scheduler": "sawtooth"}}, "train.scheduler must be one of"),
         ({"model": {"name": ""}}, "model.name is required"),
@@ -127,7 +127,7 @@ def test_shipped_recipes_parse():
         ({"patch": {"method": "pi", "factor": 0.5}}, "factor must be >= 1"),
         ({"patch": {"method": "pi", "factor": None}}, "needs a factor"),
         ({"patch": {"method": "yarn", "factor": 2, "options": {"beta": 3}}}, "unknown option(s) beta"),
-        ({"lora": {"dropout": 1.5}}, "lora.dropout must be in [0, 1)"),
+        ({"lora": {"dropout": 1.5}}, "lora.dropout: input should be less than 1, got 1.5"),
         ({"eval": {"data": ["/nonexistent/eval.txt"]}}, "eval.data"),
     ],
 )
@@ -149,7 +149,7 @@ def test_every_problem_is_reported_at_once(bases, tmp_path):
         recipe_from_dict(d)
     problems = err.value.problems
     assert len(problems) == 6, problems
-    for key in ("train.stepz", "train.steps:", "train.lr:", "lora.r must be >= 1", "lora.dropout", "data.files:"):
+    for key in ("train.stepz", "train.steps:", "train.lr:", "lora.r: input should be greater than or equal to 1", "lora.dropout", "data.files:"):
         assert any(key in p for p in problems), (key, problems)
     message = str(err.value)
     assert message.startswith("6 problems: ") and "\n" not in message
@@ -157,14 +157,14 @@ def test_every_problem_is_reported_at_once(bases, tmp_path):
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"train": {"steps": True}}, "train.steps: must be an integer, got True"),  # not read as 1
-    ({"train": {"lr": float("inf")}}, "train.lr: must be a finite number, got inf"),
-    ({"train": {"mixed_precision": "fp8"}}, "train.mixed_precision must be one of no, bf16, fp16, got 'fp8'"),
-    ({"lora": {"bias": "some"}}, "lora.bias must be one of none, all, lora_only, got 'some'"),
-    ({"eval": {"lengths": [128, 1]}}, "eval.lengths must be >= 2, got [128, 1] (at eval.lengths[1])"),
-    ({"eval": {"stride": 0}}, "eval.stride must be >= 1 or null, got 0"),
-    ({"train": {"max_grad_norm": 0}}, "train.max_grad_norm must be > 0 or null, got 0"),
-    ({"lora": {"target_modules": {"q": 1}}}, "lora.target_modules: must be a "),  # (union order is typing's)
+    ({"train": {"steps": True}}, "train.steps: input should be a number, not true / false, got True"),  # not read as 1
+    ({"train": {"lr": float("inf")}}, "train.lr: input should be a finite number, got inf"),
+    ({"train": {"mixed_precision": "fp8"}}, "train.mixed_precision: input should be 'no', 'bf16' or 'fp16', got 'fp8'"),
+    ({"lora": {"bias": "some"}}, "lora.bias: input should be 'none', 'all' or 'lora_only', got 'some'"),
+    ({"eval": {"lengths": [128, 1]}}, "eval.lengths[1]: input should be greater than or equal to 2, got 1"),
+    ({"eval": {"stride": 0}}, "eval.stride: input should be greater than or equal to 1, got 0"),
+    ({"train": {"max_grad_norm": 0}}, "train.max_grad_norm: input should be greater than 0, got 0"),
+    ({"lora": {"target_modules": {"q": 1}}}, "lora.target_modules: input should be a valid "),  # (union order is typing's)
 ])
 def test_types_bounds_and_choices_name_their_key(bases, tmp_path, change, message):
     d = recipe_dict(bases, tmp_path / "out")

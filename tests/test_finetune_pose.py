@@ -107,13 +107,13 @@ def tiny_dict(out, **train):
 
 
 @pytest.mark.parametrize("pose,message", [
-    ({"chunks": 1}, "train.pose.chunks must be >= 2"),
-    ({"chunks": "two"}, "train.pose.chunks: must be an integer, got 'two'"),
+    ({"chunks": 1}, "train.pose.chunks: input should be greater than or equal to 2, got 1"),
+    ({"chunks": "two"}, "train.pose.chunks: input should be a valid integer, unable to parse string as an integer, got 'two'"),
     ({"target": 1024}, "unknown key(s) train.pose.target; train.pose accepts: target_length, chunks"),
     ({"target_length": 128}, "train.pose.target_length (128) must be longer than data.seq_length (128)"),
-    ({"target_length": -3}, "train.pose.target_length must be >= 2"),
-    (4, "train.pose: must be true, null or a mapping (target_length, chunks), got 4"),
-    ("yes please", "train.pose: must be true, null or a mapping"),
+    ({"target_length": -3}, "train.pose.target_length: input should be greater than or equal to 2, got -3"),
+    (4, "train.pose: input should be a valid dictionary or instance of PoseConfig, got 4"),
+    ("yes please", "train.pose: input should be a valid dictionary"),
 ])
 def test_bad_pose_options_are_refused_with_their_key_path(tmp_path, pose, message):
     with pytest.raises(RecipeError) as exc:

@@ -62,11 +62,11 @@ CASES = [
      [], "3 problems"),
     ("unknown-section", _yaml({**BASE, "extras": {"x": 1}}), [], "unknown section(s) extras"),
     ("unknown-key", _yaml(_set(BASE, "train.stepz", 5)), [], "unknown key(s) train.stepz; train accepts: steps"),
-    ("section-not-mapping", _yaml({**BASE, "train": [1, 2]}), [], "train: must be a mapping of keys"),
+    ("section-not-mapping", _yaml({**BASE, "train": [1, 2]}), [], "train: input should be a valid dictionary or instance of TrainConfig, got [1, 2]"),
     ("bad-method", _yaml(_set(BASE, "patch.method", "warp")), [], "patch.method: unknown method 'warp'"),
     ("factor-0", _yaml(_set(BASE, "patch.factor", 0)), [], "patch.factor: factor must be >= 1"),
     ("factor-not-a-number", _yaml(_set(BASE, "patch.factor", "big")), [],
-     "patch.factor: must be a number or null, got 'big'"),
+     "patch.factor: input should be a valid number, unable to parse string as a number, got 'big'"),
     ("missing-data-file", _yaml(_set(BASE, "data.files", ["books", "gone.txt"])), [],
      "data.files: 'gone.txt' not found (relative paths are read from the recipe folder"),
     ("unknown-shipped-text", _yaml(_set(BASE, "data.files", ["reference:bogus"])), [],
@@ -100,7 +100,7 @@ CASES = [
      "2 problems"),
     ("absurd-accumulation", _yaml(_set(BASE, "train.batch_size", 10 ** 12)), ["--check"],
      "1000000000000 micro-batches per optimizer step"),
-    ("seed-out-of-range", _yaml(_set(BASE, "train.seed", -1)), [], "train.seed must be >= 0, got -1"),
+    ("seed-out-of-range", _yaml(_set(BASE, "train.seed", -1)), [], "train.seed: input should be greater than or equal to 0, got -1"),
     ("output-dir-under-dangling-link", None, ["--set", "output.dir=gone/run", "--check"], "is a link to nothing"),
     ("stop-after-0", None, ["--stop-after", "0"], "--stop-after must be >= 1"),
     ("stop-after-not-int", None, ["--stop-after", "two"], "invalid int value"),
@@ -150,8 +150,8 @@ def test_finetune_refuses(work, capsys, name, text, extra, expect):
     line = assert_refused(argv, capsys, work, expect)
     assert line.startswith("ctxext finetune: error: "), line
     if name == "several-wrong-types":  # every bad key, each with its path, in one line
-        for part in ("train.steps: must be an integer, got 'abc'", "lora.r: must be an integer, got 'many'",
-                     "train.lr: must be a number, got 'fast'"):
+        for part in ("train.steps: input should be a valid integer, unable to parse string as an integer, got 'abc'", "lora.r: input should be a valid integer, unable to parse string as an integer, got 'many'",
+                     "train.lr: input should be a valid number, unable to parse string as a number, got 'fast'"):
             assert part in line, line
     if name == "set-and-recipe-errors-together":
         assert "train.steps:" in line and "lora.r:" in line, line

@@ -1,30 +1,37 @@
-"""Recipes: YAML files read into dataclasses, validated before anything is loaded or trained.
+"""Recipes: YAML files read into pydantic models, validated before anything is loaded or trained.
 
 A recipe has seven sections (``model``, ``patch``, ``lora``, ``data``, ``train``, ``eval``, ``output``);
-every key is typed and checked, unknown keys are errors, and ``--set a.b=value`` overrides any key
-(the value is read as YAML: ``4``, ``2e-4``, ``[q_proj, v_proj]``, ``null``).
+every key is typed and checked by pydantic (``extra="forbid"``: unknown keys are errors), every problem is reported
+at once with its key path, and ``--set a.b=value`` overrides any key (the value is read as YAML: ``4``, ``2e-4``,
+``[q_proj, v_proj]``, ``null``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
-from annotated_types import Ge, Gt, Le, Lt  # pydantic's constraint markers: it checks them and names the bound
-
+from annotated_types import Ge, Gt, Le, Lt
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from .errors import RecipeError  # re-exported: ctxext.finetune.config.RecipeError
 
-AtLeast1 = Annotated[int, Ge(1)]
-AtLeast2 = Annotated[int, Ge(2)]
-NotNegative = Annotated[int, Ge(0)]
+
+def _not_bool(value: Any) -> Any:
+    """pydantic's lax mode reads true as 1: a true / false given for a number is a mistake."""
+    if isinstance(value, bool):
+        raise ValueError("input should be a number, not true / false")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_not_bool)]
+Float = Annotated[float, BeforeValidator(_not_bool)]
+AtLeast1 = Annotated[Int, Ge(1)]
+AtLeast2 = Annotated[Int, Ge(2)]
+NotNegative = Annotated[Int, Ge(0)]
 #: a seed every random generator a run seeds takes (numpy's is the narrowest: 0 <= seed < 2**32)
-Seed = Annotated[int, Ge(0), Lt(2 ** 32)]
+Seed = Annotated[Int, Ge(0), Lt(2 ** 32)]
 
 #: The most micro-batches one optimizer step may run: train.batch_size / train.micro_batch_size, over all processes
 #: (gradient accumulation x processes). A step runs them all before its first update, so a larger count is a mistake
@@ -63,8 +70,13 @@ class Problems:
         raise RecipeError(head + "; ".join(self.items), self.items)
 
 
-@dataclass
-class ModelConfig:
+class Section(BaseModel):
+    """How every section reads: unknown keys refused, numbers finite, numbers accepted where a name is expected."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, coerce_numbers_to_str=True)
+
+
+class ModelConfig(Section):
     #: hub id, local directory, directory holding ``gguf_file``, or ``reference:llama`` / ``reference:gpt2`` / ...
     name: str = ""
     gguf_file: Optional[str] = None
@@ -77,38 +89,35 @@ class ModelConfig:
     trust_remote_code: bool = False
 
 
-@dataclass
-class PatchConfig:
+class PatchConfig(Section):
     #: a ``ctxext methods`` name, or null / "none" for no patch (plain LoRA at a longer length)
     method: Optional[str] = None
-    factor: Optional[float] = None
-    options: dict = field(default_factory=dict)
+    factor: Optional[Float] = None
+    options: dict = Field(default_factory=dict)
 
 
-@dataclass
-class LoraConfig:
+class LoraConfig(Section):
     r: AtLeast1 = 8
-    alpha: Annotated[float, Gt(0)] = 16.0
-    dropout: float = 0.0
+    alpha: Annotated[Float, Gt(0)] = 16.0
+    dropout: Annotated[Float, Ge(0), Lt(1)] = 0.0
     #: module-name suffixes to adapt; null = peft's default for the architecture; "all-linear" = every linear layer
     target_modules: Optional[Union[list[str], str]] = None
     #: modules trained in full and saved with the adapter (peft ``modules_to_save``), matched by name suffix:
     #: LongLoRA trains ``[embed_tokens, norm]``; GPT-2 + PI trains ``[wpe]``, the interpolated position table
-    trainable: list[str] = field(default_factory=list)
+    trainable: list[str] = Field(default_factory=list)
     bias: Literal["none", "all", "lora_only"] = "none"
     use_rslora: bool = False
 
 
-@dataclass
-class DataConfig:
+class DataConfig(Section):
     #: text files (.txt, any other suffix read as text), JSONL files (.jsonl, one document per line under
     #: ``text_field``), either xz-compressed (``.txt.xz``, ``.jsonl.xz``), folders of them (searched recursively,
     #: sorted), and text shipped with ctxext: ``reference:train`` (the five Austen novels the reference models were
     #: trained on) or ``reference:emma`` (the held-out novel). Relative paths are read from the recipe file's folder
     #: (from the working directory when given with ``--set`` or when the recipe is built in code).
-    files: list[str] = field(default_factory=list)
+    files: list[str] = Field(default_factory=list)
     #: file names to skip (glob patterns, matched with and without a ``.xz`` suffix), e.g. the held-out book
-    exclude: list[str] = field(default_factory=list)
+    exclude: list[str] = Field(default_factory=list)
     #: a ``datasets`` name or path, read with ``datasets.load_dataset(dataset, dataset_config, split=split)``
     dataset: Optional[str] = None
     dataset_config: Optional[str] = None
@@ -127,8 +136,7 @@ class DataConfig:
     max_sequences: Optional[AtLeast1] = None
 
 
-@dataclass
-class PoseConfig:
+class PoseConfig(Section):
     """PoSE (positional skip-wise training, Zhu et al. 2023): train on short windows whose position ids span the
     target length. Each window is cut into ``chunks`` pieces; every piece keeps consecutive positions and the
     pieces after the first are shifted by random, non-decreasing skips, so positions stay below ``target_length``.
@@ -140,8 +148,7 @@ class PoseConfig:
     chunks: AtLeast2 = 2
 
 
-@dataclass
-class TrainConfig:
+class TrainConfig(Section):
     steps: AtLeast1 = 1000
     #: global batch: sequences per optimizer step, over all processes
     batch_size: AtLeast1 = 8
@@ -149,22 +156,21 @@ class TrainConfig:
     micro_batch_size: AtLeast1 = 1
     #: 0 < lr <= 1: AdamW moves every trained weight by about lr per step (LoRA uses 1e-5 to 1e-2); past 1 the
     #: weights are noise after one step, and a float32 optimizer overflows
-    lr: Annotated[float, Gt(0), Le(1)] = 2e-4
+    lr: Annotated[Float, Gt(0), Le(1)] = 2e-4
     warmup_steps: NotNegative = 20
     #: a ``transformers.get_scheduler`` name: linear, cosine, constant_with_warmup, ...
     scheduler: str = "cosine"
-    weight_decay: Annotated[float, Ge(0)] = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    max_grad_norm: Optional[Annotated[float, Gt(0)]] = 1.0
+    weight_decay: Annotated[Float, Ge(0)] = 0.0
+    betas: list[Float] = Field(default_factory=lambda: [0.9, 0.999])
+    max_grad_norm: Optional[Annotated[Float, Gt(0)]] = 1.0
     gradient_checkpointing: bool = True
-    #: accelerate mixed precision: "no", "bf16" or "fp16"
+    #: "no", "bf16" or "fp16" (TrainingArguments' bf16 / fp16)
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
-    #: 0 <= seed < 2**32 (the range numpy's generator takes; accelerate's set_seed seeds it)
     seed: Seed = 0
     log_every: AtLeast1 = 1
-    #: write a resumable checkpoint every N optimizer steps (0: only at the end)
+    #: write a resumable checkpoint every N optimizer steps (0: only on --stop-after)
     save_every: NotNegative = 100
-    #: checkpoints kept on disk (oldest deleted first)
+    #: checkpoints kept on disk (oldest deleted first; 0 keeps all)
     keep_checkpoints: NotNegative = 2
     #: force CPU even where an accelerator is present
     cpu: bool = False
@@ -176,22 +182,26 @@ class TrainConfig:
     #: model keep full attention (``ctxext.attention.shifted_sparse``)
     shift_attention: bool = False
     #: the group's share of the sequence, 1/n (LongLoRA's default 1/4)
-    shift_group_ratio: Annotated[float, Gt(0), Le(1)] = 0.25
+    shift_group_ratio: Annotated[Float, Gt(0), Le(1)] = 0.25
     #: any other ``transformers.TrainingArguments`` field, passed through as given: ``report_to: wandb``,
     #: ``deepspeed: ds.json``, ``fsdp: full_shard``, ``optim: adamw_torch_fused``, ``torch_compile: true``, ...
     #: (fields the keys above set are refused here, with the key that sets them)
-    args: dict = field(default_factory=dict)
+    args: dict = Field(default_factory=dict)
+
+    @field_validator("pose", mode="before")
+    @classmethod
+    def _pose_shorthand(cls, value: Any) -> Any:
+        return {} if value is True else (None if value is False else value)  # "pose: true" = defaults, false = off
 
 
-@dataclass
-class EvalConfig:
+class EvalConfig(Section):
     #: before/after perplexity at the end of the run
     enabled: bool = True
     #: "reference" (the held-out book shipped with ctxext, also ``reference:emma``) or text files / folders
     #: (relative paths as in data.files)
     data: Union[list[str], str] = "reference"
     #: evaluation lengths; default: [data.seq_length] (with train.pose: [train.pose.target_length])
-    lengths: list[AtLeast2] = field(default_factory=list)
+    lengths: list[AtLeast2] = Field(default_factory=list)
     protocol: Literal["chunks", "sliding"] = "chunks"
     stride: Optional[AtLeast1] = None
     max_windows: Optional[AtLeast1] = 8
@@ -202,8 +212,7 @@ class EvalConfig:
     unpatched: bool = False
 
 
-@dataclass
-class OutputConfig:
+class OutputConfig(Section):
     #: the run's folder; a relative path is relative to the working directory (as any command's output)
     dir: str = ""
     #: also save the merged model (base + LoRA folded in) under ``DIR/merged``
@@ -212,22 +221,25 @@ class OutputConfig:
     overwrite: bool = False
 
 
-@dataclass
-class Recipe:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    patch: PatchConfig = field(default_factory=PatchConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    output: OutputConfig = field(default_factory=OutputConfig)
+class Recipe(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    patch: PatchConfig = Field(default_factory=PatchConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    output: OutputConfig = Field(default_factory=OutputConfig)
     #: the YAML file it came from (None when built in code): relative data paths are read from its folder
-    source: Optional[str] = field(default=None, metadata={"internal": True})
+    _source: Optional[str] = PrivateAttr(default=None)
+
+    @property
+    def source(self) -> Optional[str]:
+        return self._source
 
     def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d.pop("source", None)
-        return d
+        return self.model_dump()
 
     def to_yaml(self, absolute_paths: bool = False) -> str:
         """The recipe as YAML; ``absolute_paths``: relative data paths made absolute (for a copy saved elsewhere,
@@ -265,11 +277,6 @@ class Recipe:
         return paths
 
 
-#: how pydantic reads every section: unknown keys refused, numbers finite, numbers accepted where a name is expected
-for _section_class in (ModelConfig, PatchConfig, LoraConfig, DataConfig, PoseConfig, TrainConfig, EvalConfig,
-                       OutputConfig):
-    _section_class.__pydantic_config__ = {"extra": "forbid", "allow_inf_nan": False, "coerce_numbers_to_str": True}
-
 REFERENCE_PREFIX = "reference:"
 
 
@@ -292,154 +299,77 @@ def shipped_files(item: str, key: str) -> list[Path]:
         raise RecipeError(f"{key}: {exc}") from None
 
 
-SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe) if not f.metadata.get("internal")}
+SECTIONS = dict(Recipe.model_fields)
 
 
 # ---------------------------------------------------------------------------------------------- parsing
-# Types are read by pydantic (lax mode: YAML 1.1's "2e-4" is a number, 10.0 an integer); its errors are turned into
-# one line per key path, and the keys it could not read keep their defaults so that the checks of the rest still run.
 
 
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
+def _model_class(annotation) -> type[BaseModel] | None:
+    """The section model of a field (``PoseConfig`` for ``Optional[PoseConfig]``), else None."""
+    return next((a for a in (annotation, *getattr(annotation, "__args__", ())) if isinstance(a, type)
+                 and issubclass(a, BaseModel)), None)
 
 
-def _nested_section(tp):
-    """The dataclass of a key that is itself a small section (``PoseConfig`` for ``Optional[PoseConfig]``)."""
-    if dataclasses.is_dataclass(tp):
-        return tp
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(inner) == 1 and dataclasses.is_dataclass(inner[0]):
-            return inner[0]
-    return None
+def _key_path(loc: tuple, unknown: bool) -> tuple[list[str], type[BaseModel]]:
+    """The key path of a pydantic error location: field names (and list indices) from the recipe down; the union
+    branches pydantic names on the way are left out. For an unknown key, the key itself ends the path. Also returns
+    the model holding the last key."""
+    path, cls, parent = [], Recipe, Recipe
+    for i, part in enumerate(loc):
+        fields = cls.model_fields if cls is not None else {}
+        if isinstance(part, str) and part in fields:
+            path.append(part)
+            parent, cls = cls, _model_class(fields[part].annotation)
+        elif isinstance(part, int) and path:
+            path[-1] += f"[{part}]"
+        elif unknown and i == len(loc) - 1:
+            path.append(str(part))
+            parent = cls
+    return path, parent
 
 
-def _type_name(tp) -> str:
-    nested = _nested_section(tp)
-    if nested is not None:
-        return f"true, null or a mapping ({', '.join(f.name for f in dataclasses.fields(nested))})"
-    if typing.get_origin(tp) in (Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        name = " or ".join(_type_name(a) for a in args)
-        return name + (" or null" if len(args) < len(typing.get_args(tp)) else "")
-    if typing.get_origin(tp) is list:
-        (inner,) = typing.get_args(tp) or (Any,)
-        return f"a list of {({int: 'integers', float: 'numbers', str: 'strings'}).get(inner, 'values')}"
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false", dict: "a mapping"}.get(
-        tp, getattr(tp, "__name__", str(tp)))
-
-
-def _read_section(cls, data: dict):
-    from pydantic import TypeAdapter
-
-    return TypeAdapter(cls).validate_python(data)
-
-
-def _pose_shorthand(value: Any) -> Any:
-    return {} if value is True else (None if value is False else value)  # "pose: true" = defaults, false = off
+def _drop(data: dict, path: list[str]) -> None:
+    """Remove the key at ``path`` (list indices stripped: the whole list goes) so that it keeps its default."""
+    *parents, last = [p.split("[")[0] for p in path]
+    for part in parents:
+        data = data.get(part) if isinstance(data, dict) else None
+    if isinstance(data, dict):
+        data.pop(last, None)
 
 
 def _copy(data: Any) -> Any:
     return {k: _copy(v) for k, v in data.items()} if isinstance(data, dict) else data
 
 
-def _message(key: str, err: dict, tp, value: Any) -> str:
-    """One line for a value pydantic refused: a bound or a choice it broke, else the type it must have."""
-    ctx, kind = err.get("ctx", {}), err["type"]
-    got = "null" if value is None else repr(value)
-    if kind == "literal_error":
-        return f"{key} must be one of {', '.join(typing.get_args(tp))}, got {got}"  # (no Optional choices)
-    bound = {"greater_than_equal": ">=", "greater_than": ">", "less_than": "<", "less_than_equal": "<="}.get(kind)
-    if bound:
-        limit = next((ctx[k] for k in ("ge", "gt", "lt", "le") if k in ctx), "?")
-        limit = format(limit, "g") if isinstance(limit, float) else str(limit)
-        null = " or null" if type(None) in typing.get_args(tp) else ""
-        entry = "".join(f"[{i}]" for i in err["loc"] if isinstance(i, int))  # which list entry
-        return f"{key} must be {bound} {limit}{null}, got {got}" + (f" (at {key}{entry})" if entry else "")
-    return f"{key}: must be {'a finite number' if kind == 'finite_number' else _type_name(tp)}, got {got}"
-
-
-def _numeric(tp) -> bool:
-    """An integer or number key (true / false there is a mistake, not 1 / 0)."""
-    args = set(typing.get_args(tp)) if typing.get_origin(tp) in (Union, types.UnionType) else {tp}
-    return bool(args & {int, float}) and bool not in args
-
-
-def _field_at(cls, loc: tuple) -> tuple[list[str], Any]:
-    """The key path and annotation of the dataclass field an error location points into (list indices and union
-    branches after it dropped)."""
-    path, tp = [], None
-    for part in loc:
-        if not (dataclasses.is_dataclass(cls) and part in _hints(cls)):
-            break
-        path.append(part)
-        tp = _hints(cls)[part]
-        cls = _nested_section(tp)
-    return path, tp
-
-
-def _section(cls, data: Any, where: str, problems: Problems):
-    """Read one section; every unknown key and unreadable value goes to ``problems`` (with its key path) and
-    keeps its default."""
-    from pydantic import ValidationError
-
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        problems.add(f"{where}: must be a mapping of keys ({', '.join(f.name for f in dataclasses.fields(cls))}), "
-                     f"got {data!r}")
-        problems.bad.add(where)
-        return cls()
-    data = {k: _pose_shorthand(v) if _nested_section(_hints(cls).get(k)) else _copy(v) for k, v in data.items()}
-    # pydantic's lax mode reads true as 1: a true / false given for a number is a mistake
-    errors = [{"loc": (k,), "type": "bool"} for k, v in data.items()
-              if isinstance(v, bool) and k in _hints(cls) and _numeric(_hints(cls)[k])]
-    unknown: dict[tuple, list[str]] = {}
-    while True:  # each pass drops what it could not read (it keeps its default) until the rest reads
-        try:
-            if not errors:
-                section = _read_section(cls, data)
-                break
-        except ValidationError as exc:
-            errors = exc.errors()
-        seen: set[tuple] = set()
-        for err in errors:
-            path, tp = _field_at(cls, err["loc"])
-            if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
-                unknown.setdefault(tuple(path), []).append(str(err["loc"][len(path)]))
-                _drop(data, path + [err["loc"][len(path)]])
-                continue
-            if not path:  # about the section as a whole: nothing to drop, so report it and keep the defaults
-                problems.add(f"{where}: {err.get('msg', err['type'])}")
-                problems.bad.add(where)
-                return cls()
-            if tuple(path) in seen:  # one message per key (a union reports each branch)
-                continue
-            seen.add(tuple(path))
-            key, value = ".".join([where, *path]), _value_at(data, path)
-            problems.add(_message(key, err, tp, value))
-            problems.bad.add(key)
-            _drop(data, path)
-        errors = []
-    for parent, keys in unknown.items():
-        name = ".".join([where, *parent])
-        fields = dataclasses.fields(_nested_section(_field_at(cls, parent)[1]) if parent else cls)
-        problems.add(f"unknown key(s) {', '.join(f'{name}.{k}' for k in keys)}; "
-                     f"{name} accepts: {', '.join(f.name for f in fields)}")
-    return section
-
-
-def _value_at(data: dict, path: list[str]) -> Any:
-    for part in path:
-        data = data.get(part) if isinstance(data, dict) else None
-    return data
-
-
-def _drop(data: dict, path: list[str]) -> None:
-    parent = _value_at(data, path[:-1])
-    if isinstance(parent, dict):
-        parent.pop(path[-1], None)
+def _parse(data: dict, problems: Problems) -> Recipe | None:
+    """pydantic reads the recipe; each error becomes one line with its key path, and the keys it could not read are
+    dropped (they keep their defaults) so that the checks of the rest still run. None if even that fails."""
+    data = _copy(data)
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        errors = exc.errors()
+    unknown: dict[str, tuple[list[str], type[BaseModel]]] = {}
+    for err in errors:
+        is_unknown = err["type"] == "extra_forbidden"
+        path, parent = _key_path(err["loc"], is_unknown)
+        key = ".".join(path)
+        if is_unknown:
+            unknown.setdefault(".".join(path[:-1]), ([], parent))[0].append(path[-1])
+        elif key not in problems.bad:
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.add(f"{key}: {msg[:1].lower() + msg[1:]}, got {_short(err.get('input'))}")
+            problems.bad.add(key.split("[")[0])
+        _drop(data, path)
+    for parent, (keys, cls) in unknown.items():
+        what = "key" if parent else "section"
+        problems.add(f"unknown {what}(s) {', '.join(f'{parent}.{k}' if parent else k for k in keys)}; "
+                     f"{parent or 'a recipe'} accepts: {', '.join(cls.model_fields)}")
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError:
+        return None
 
 
 def recipe_from_dict(data: Any, source: str | None = None, problems: Problems | None = None) -> Recipe:
@@ -450,13 +380,10 @@ def recipe_from_dict(data: Any, source: str | None = None, problems: Problems | 
         raise RecipeError(f"a recipe must be a mapping with sections {', '.join(SECTIONS)} "
                           f"(e.g. 'model:' then '  name: reference:llama'), got {kind}")
     problems = Problems() if problems is None else problems
-    unknown = [k for k in data if k not in SECTIONS]
-    if unknown:
-        problems.add(f"unknown section(s) {', '.join(map(str, unknown))}; a recipe has: {', '.join(SECTIONS)}")
-    hints = _hints(Recipe)
-    sections = {name: _section(hints[name], data.get(name), name, problems) for name in SECTIONS}
-    recipe = Recipe(**sections, source=source)
-    validate(recipe, problems)
+    recipe = _parse({k: ({} if v is None and k in SECTIONS else v) for k, v in data.items()}, problems)
+    if recipe is not None:
+        recipe._source = source
+        validate(recipe, problems)
     problems.raise_if_any()
     return recipe
 
@@ -501,8 +428,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
 
 
 def _first_key(section: str) -> str:
-    cls = _hints(Recipe).get(section)
-    return dataclasses.fields(cls)[0].name if dataclasses.is_dataclass(cls) else "key"
+    fields = getattr(SECTIONS[section].annotation, "model_fields", {}) if section in SECTIONS else {}
+    return next(iter(fields), "key")
 
 
 def _absolute_from_cwd(value: Any) -> Any:
@@ -681,8 +608,6 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
     elif p.factor is not None or p.options:
         err("patch.factor/options given without patch.method", "patch.method")
 
-    if not 0 <= lo.dropout < 1:
-        err(f"lora.dropout must be in [0, 1), got {lo.dropout:g}", "lora.dropout")
     if isinstance(lo.target_modules, list) and not lo.target_modules:
         err("lora.target_modules is an empty list; name modules, use all-linear, or null for peft's default",
             "lora.target_modules")
@@ -725,8 +650,6 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
     if t.pose is not None:
         _check_pose(recipe, err)
     if t.args:
-        from .trainer import check_args
-
         check_args(t.args, err)
     if t.shift_attention and "train.shift_group_ratio" not in problems.bad:
         _check_shift(recipe, err)
@@ -761,6 +684,49 @@ def _listed(value) -> list[str]:
     if value is None:
         return []
     return [value] if isinstance(value, str) else [str(v) for v in value]
+
+
+#: TrainingArguments fields a recipe sets through its own keys (train.args may not set them again)
+OWNED = {
+    "output_dir": "output.dir", "max_steps": "train.steps", "num_train_epochs": "train.steps",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "gradient_accumulation_steps": "train.batch_size (the global batch; accumulation follows from it)",
+    "learning_rate": "train.lr", "warmup_steps": "train.warmup_steps", "lr_scheduler_type": "train.scheduler",
+    "weight_decay": "train.weight_decay", "adam_beta1": "train.betas", "adam_beta2": "train.betas",
+    "max_grad_norm": "train.max_grad_norm", "gradient_checkpointing": "train.gradient_checkpointing",
+    "activation_checkpointing": "train.gradient_checkpointing",
+    "gradient_checkpointing_kwargs": "ctxext (use_reentrant: false)", "activation_checkpointing_kwargs": "ctxext",
+    "bf16": "train.mixed_precision", "fp16": "train.mixed_precision", "seed": "train.seed",
+    "logging_steps": "train.log_every", "save_steps": "train.save_every", "save_strategy": "train.save_every",
+    "save_total_limit": "train.keep_checkpoints", "use_cpu": "train.cpu", "resume_from_checkpoint": "--resume",
+    "disable_tqdm": "--no-progress", "logging_nan_inf_filter": "ctxext (a non-finite loss stops the run)",
+    "remove_unused_columns": "ctxext (its examples hold only model inputs)",
+}
+
+
+def training_argument_fields() -> set[str]:
+    import dataclasses
+
+    from transformers import TrainingArguments
+
+    return {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
+
+
+def check_args(args: dict, err) -> None:
+    """train.args: every key a TrainingArguments field that no recipe key already sets."""
+    fields = training_argument_fields()
+    for key in args:
+        if key in OWNED:
+            err(f"train.args.{key}: set by {OWNED[key]}", f"train.args.{key}")
+        elif key not in fields:  # a field of another transformers release is named as such
+            err(f"train.args.{key}: not a transformers.TrainingArguments field (transformers "
+                f"{_transformers_version()})", f"train.args.{key}")
+
+
+def _transformers_version() -> str:
+    from transformers import __version__
+
+    return __version__
 
 
 #: patch methods that take positions out of the model's input: PoSE, which trains through the position ids, has

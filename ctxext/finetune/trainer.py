@@ -14,41 +14,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from . import checkpoint as ckpt
-from .config import Recipe, RecipeError
-
-#: TrainingArguments fields a recipe sets through its own keys (train.args may not set them again)
-OWNED = {
-    "output_dir": "output.dir", "max_steps": "train.steps", "num_train_epochs": "train.steps",
-    "per_device_train_batch_size": "train.micro_batch_size",
-    "gradient_accumulation_steps": "train.batch_size (the global batch; accumulation follows from it)",
-    "learning_rate": "train.lr", "warmup_steps": "train.warmup_steps", "lr_scheduler_type": "train.scheduler",
-    "weight_decay": "train.weight_decay", "adam_beta1": "train.betas", "adam_beta2": "train.betas",
-    "max_grad_norm": "train.max_grad_norm", "gradient_checkpointing": "train.gradient_checkpointing",
-    "activation_checkpointing": "train.gradient_checkpointing",
-    "bf16": "train.mixed_precision", "fp16": "train.mixed_precision", "seed": "train.seed",
-    "logging_steps": "train.log_every", "save_steps": "train.save_every", "save_strategy": "train.save_every",
-    "save_total_limit": "train.keep_checkpoints", "use_cpu": "train.cpu", "resume_from_checkpoint": "--resume",
-    "disable_tqdm": "--no-progress", "logging_nan_inf_filter": "ctxext (a non-finite loss stops the run)",
-    "remove_unused_columns": "ctxext (its examples hold only model inputs)",
-}
-
-
-def _fields() -> set[str]:
-    import dataclasses
-
-    return {f.name for f in dataclasses.fields(TrainingArguments) if f.init}
-
-
-def check_args(args: dict, err) -> None:
-    """train.args: every key a TrainingArguments field that no recipe key already sets."""
-    fields = _fields()
-    for key in args:
-        if key in OWNED:
-            err(f"train.args.{key}: set by {OWNED[key]}", f"train.args.{key}")
-        elif key not in fields:  # a field of another transformers release is named as such
-            err(f"train.args.{key}: not a transformers.TrainingArguments field (transformers "
-                f"{__import__('transformers').__version__})", f"train.args.{key}")
-
+from .config import Recipe, RecipeError, training_argument_fields
 
 def training_arguments(recipe: Recipe, accumulation: int, progress: bool, use_cpu: bool) -> TrainingArguments:
     t = recipe.train
@@ -63,7 +29,8 @@ def training_arguments(recipe: Recipe, accumulation: int, progress: bool, use_cp
         remove_unused_columns=False, report_to="none", optim="adamw_torch",
     )
     # transformers 5.x renamed gradient checkpointing to activation checkpointing (the old names warn)
-    name = "activation_checkpointing" if "activation_checkpointing" in _fields() else "gradient_checkpointing"
+    fields = training_argument_fields()
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     mapped.update({name: t.gradient_checkpointing, f"{name}_kwargs": {"use_reentrant": False}})
     mapped.update(t.args)
     try:
