@@ -2,7 +2,8 @@
 ``ctxext_remap``) vs plain sdpa, on the small benchmark LLaMA (trained length 1024) at 4k and 16k tokens.
 
     python benchmarks/bench_remap.py [--lengths 4096,16384] [--methods self-extend,dca,rerope,lm-infinite,string]
-                                     [--repeats 1] [--runs 1] [--threads 1] [--strategy scores|concat] [--no-lse]
+                                     [--repeats 1] [--runs 1] [--warmup 1] [--threads 1] [--strategy scores|concat]
+                                     [--no-lse]
                                      [--out benchmarks/results/remap_cost.json]
 
 Each measurement runs in a fresh subprocess (peak RSS of one model and one forward pass), as in
@@ -36,7 +37,7 @@ TARGETS = {"memory_ratio": 1.2, "time_ratio": 1.3}  # issue 23
 METHODS = ["self-extend", "dca", "rerope", "lm-infinite", "streaming-llm", "string"]
 
 
-def child(variant: str, length: int, runs: int, threads: int, strategy: str, lse: bool) -> dict:
+def child(variant: str, length: int, runs: int, threads: int, strategy: str, lse: bool, warmup: int = 1) -> dict:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -60,10 +61,10 @@ def child(variant: str, length: int, runs: int, threads: int, strategy: str, lse
     before = rss_mib()
     times, cpu_times = [], []
     with torch.no_grad():
-        for i in range(runs + 1):
+        for i in range(runs + warmup):
             start, cpu_start = time.perf_counter(), time.process_time()
             model(ids, logits_to_keep=1)
-            if i:
+            if i >= warmup:
                 times.append(time.perf_counter() - start)
                 cpu_times.append(time.process_time() - cpu_start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -80,12 +81,14 @@ def child(variant: str, length: int, runs: int, threads: int, strategy: str, lse
         "seconds": round(statistics.median(times), 4),
         "cpu_seconds": round(statistics.median(cpu_times), 4),
         "threads": torch.get_num_threads(),
+        "warmup_passes": warmup,
     }
 
 
-def measure(variant, length, runs, threads, strategy, lse) -> dict:
+def measure(variant, length, runs, threads, strategy, lse, warmup=1) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", variant, str(length), str(runs), str(threads), strategy, str(int(lse))],
+        [sys.executable, __file__, "--child", variant, str(length), str(runs), str(threads), strategy, str(int(lse)),
+         str(warmup)],
         capture_output=True, text=True, check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -102,11 +105,13 @@ def main() -> int:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "remap_cost.json"))
     parser.add_argument("--no-lse", action="store_true",
                         help="turn the log-sum-exp path off (remap_attention.LSE_PATH): the chunked path's cost")
-    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed passes before the timed ones (0 at 64k, where one pass takes minutes on CPU)")
+    parser.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        variant, length, runs, threads, strategy, lse = args.child
-        print(json.dumps(child(variant, int(length), int(runs), int(threads), strategy, lse == "1")))
+        variant, length, runs, threads, strategy, lse, warmup = args.child
+        print(json.dumps(child(variant, int(length), int(runs), int(threads), strategy, lse == "1", int(warmup))))
         return 0
 
     import torch
@@ -118,7 +123,7 @@ def main() -> int:
     for repeat in range(args.repeats):
         for length in lengths:
             for variant in ["sdpa"] + methods:
-                r = measure(variant, length, args.runs, args.threads, args.strategy, not args.no_lse)
+                r = measure(variant, length, args.runs, args.threads, args.strategy, not args.no_lse, args.warmup)
                 samples.setdefault((variant, length), []).append(r)
                 print(f"  [{repeat + 1}/{args.repeats}] {variant:12s} {length:6d}: peak {r['peak_rss_mib']:8.1f} MiB "
                       f"(+{r['peak_growth_mib']:.1f}), {r['seconds']:.3f} s wall, {r['cpu_seconds']:.3f} s cpu",
@@ -171,7 +176,7 @@ def main() -> int:
         "forward": "torch.no_grad, batch 1, logits_to_keep=1",
         "strategy": args.strategy,
         "lse_path": not args.no_lse,
-        "repeats": args.repeats, "runs_per_process": args.runs, "statistic": "median",
+        "repeats": args.repeats, "runs_per_process": args.runs, "warmup_passes": args.warmup, "statistic": "median",
         "targets": TARGETS, "rows": rows, "verdict_at_longest": verdict,
         "samples": {f"{v}@{n}": s for (v, n), s in samples.items()},
     }
