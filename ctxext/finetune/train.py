@@ -238,7 +238,7 @@ def run(
     from accelerate import PartialState
     from transformers import default_data_collator, set_seed
 
-    from .trainer import RunCallback, RunLog, RunTrainer, training_arguments
+    from .trainer import LossBar, RunCallback, RunLog, RunTrainer, training_arguments
 
     t = recipe.train
     out = Path(recipe.output.dir)
@@ -350,9 +350,12 @@ def run(
     callback = RunCallback(recipe, record, log, tokens_per_step, stop_after)
     trainer = RunTrainer(model=model, args=args, train_dataset=RunSamples(data, t.steps * t.batch_size),
                          data_collator=default_data_collator, callbacks=[callback])
-    from transformers.trainer_callback import PrinterCallback
+    from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-    trainer.remove_callback(PrinterCallback)  # the step records go to log.jsonl, not stdout
+    for printing in (PrinterCallback, ProgressCallback):  # the step records go to log.jsonl, not stdout
+        trainer.remove_callback(printing)
+    if progress:
+        trainer.add_callback(LossBar)
     if latest is not None:
         log.truncate_after(int(json.loads((latest / "trainer_state.json").read_text())["global_step"]))
         log.write(event="resume", step=ckpt.read_state(latest)["step"], checkpoint=latest.name, world_size=world)

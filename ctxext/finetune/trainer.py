@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers.trainer_callback import ProgressCallback
 
 from . import checkpoint as ckpt
 from .config import Recipe, RecipeError, training_argument_fields
@@ -45,6 +46,15 @@ class RunTrainer(Trainer):
 
     def _get_train_sampler(self, *args, **kwargs):
         return torch.utils.data.SequentialSampler(self.train_dataset)
+
+
+class LossBar(ProgressCallback):
+    """Trainer's progress bar with the loss on the bar instead of a printed dict per step (the step records go to
+    ``log.jsonl``; stdout keeps the run's summary)."""
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if self.training_bar is not None and logs and "loss" in logs:
+            self.training_bar.set_postfix(loss=f"{logs['loss']:.4f}", refresh=False)
 
 
 class RunCallback(TrainerCallback):
