@@ -318,6 +318,68 @@ def test_eval_takes_a_temperature_as_an_option_and_labels_it():
         parse_methods("none,alibi", factor=None, options=["temperature=logn"])
 
 
+def test_eval_none_takes_a_temperature_by_name_only():
+    """``none.temperature=...`` gives the unpatched model a temperature; a global ``temperature=`` leaves the
+    baseline as loaded; ``none`` takes nothing else."""
+    requests = parse_methods("none,yarn:4", factor=None, options=["none.temperature=logn", "temperature=ssmax"])
+    assert [r.label for r in requests] == ["none +logn", "yarn x4 +ssmax"]
+    assert requests[0].patch_call() == ("extrapolate", 1.0, {"temperature": "logn"})
+    assert parse_methods("none", factor=None, options=[])[0].patch_call() is None
+    with pytest.raises(ValueError, match="apply to none of the methods"):
+        parse_methods("none", factor=None, options=["temperature=logn"])
+    with pytest.raises(ValueError, match="takes only an attention temperature.*not beta_fast"):
+        parse_methods("none", factor=None, options=["none.beta_fast=3"])
+    with pytest.raises(ValueError, match="not among --methods"):
+        parse_methods("yarn:4", factor=None, options=["none.temperature=logn"])
+
+
+def test_eval_none_with_a_temperature_scores_the_model_as_loaded_plus_the_temperature(tmp_path):
+    """Rows of ``none +logn``: equal to the unpatched model up to the trained length (logn is 1 there), different
+    past it, with the temperature recorded in the row's spec (on the model's own frequencies and length)."""
+    import json
+
+    from test_eval_fixtures import CORPUS, save_tiny_llama
+
+    from ctxext.cli import main
+
+    model_dir = save_tiny_llama(tmp_path / "llama")
+    rows = {}
+    for name, option in (("plain", []), ("logn", ["--option", "none.temperature=logn"])):
+        out = tmp_path / f"{name}.json"
+        assert main(["eval", "--no-progress", "--device", "cpu", "--model", str(model_dir), "--data", str(CORPUS),
+                     "--lengths", f"{L0},{2 * L0}", "--methods", "none", *option, "--max-windows", "2",
+                     "--output", str(out)]) == 0
+        rows[name] = {r["length"]: r for r in json.loads(out.read_text())["results"]}
+    assert {r["label"] for r in rows["logn"].values()} == {"none +logn"}
+    assert rows["logn"][L0]["nll_sum"] == rows["plain"][L0]["nll_sum"]  # logn is exactly 1 up to the trained length
+    far_plain, far_logn = rows["plain"][2 * L0]["nll_sum"], rows["logn"][2 * L0]["nll_sum"]
+    assert far_logn != far_plain  # (the tiny random model's attention is near uniform: a small but real change)
+    # the same numbers as extrapolate x1 (the model's own frequencies and length) with the temperature
+    out = tmp_path / "extrapolate.json"
+    assert main(["eval", "--no-progress", "--device", "cpu", "--model", str(model_dir), "--data", str(CORPUS),
+                 "--lengths", f"{L0},{2 * L0}", "--methods", "extrapolate:1", "--option", "temperature=logn",
+                 "--max-windows", "2", "--output", str(out)]) == 0
+    by_hand = {r["length"]: r["nll_sum"] for r in json.loads(out.read_text())["results"]}
+    assert by_hand == {n: r["nll_sum"] for n, r in rows["logn"].items()}
+    spec = rows["logn"][2 * L0]["spec"]
+    assert spec["options"] == {"temperature": "logn"} and spec["factor"] == 1 and spec["patched_length"] == L0
+
+
+def test_eval_none_with_a_temperature_is_refused_before_loading_where_the_family_takes_none(tmp_path, capsys):
+    from test_eval_fixtures import CORPUS, save_tiny_gpt2
+
+    from ctxext.cli import main
+
+    model_dir = save_tiny_gpt2(tmp_path / "gpt2")
+    out = tmp_path / "r.json"
+    assert main(["eval", "--no-progress", "--device", "cpu", "--model", str(model_dir), "--data", str(CORPUS),
+                 "--lengths", "64", "--methods", "none", "--option", "none.temperature=logn", "--output",
+                 str(out)]) != 0
+    err = capsys.readouterr().err
+    assert "temperature=logn does not fit GPT2LMHeadModel" in err and "Traceback" not in err
+    assert not out.exists()
+
+
 # -- models that ship a temperature keep it -------------------------------------------------------------------------------
 
 

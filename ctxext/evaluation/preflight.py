@@ -17,9 +17,9 @@ def unfit_requests(skeleton, requests: list[MethodRequest], *, default_factor: f
     whose factor the evaluator derives from the lengths)."""
     problems = []
     for req in requests:
-        if req.method == NONE:
+        if req.patch_call() is None:
             continue
-        if req.factor is None and default_factor is not None:
+        if req.method != NONE and req.factor is None and default_factor is not None:
             req = MethodRequest(req.method, default_factor, req.options)
         try:
             check_request(skeleton, req)

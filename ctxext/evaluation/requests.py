@@ -9,8 +9,12 @@ from typing import Any
 from ..core.errors import PatchError
 from ..methods.registry import MAX_FACTOR, METHODS, accepted_options, resolve_method
 from ..methods.temperature import OPTION as TEMPERATURE
+from ..methods.temperature import OPTIONS as TEMPERATURE_OPTIONS
 
 NONE = "none"
+#: how ``none`` with an attention temperature is applied: the model's own frequencies and length (``extrapolate``
+#: x1 changes neither), with the temperature in front of its attention
+NONE_WITH_TEMPERATURE = ("extrapolate", 1.0)
 
 
 @dataclass(frozen=True)
@@ -32,6 +36,14 @@ class MethodRequest:
     def key(self) -> tuple[str, float | None]:
         return (self.method, self.factor)
 
+    def patch_call(self) -> tuple[str, float | None, dict[str, Any]] | None:
+        """The ``ctxext.patch`` arguments of this request; None for the unpatched model (``none`` with no options).
+        ``none`` with a temperature (``--option none.temperature=logn``) is the model as loaded plus that temperature:
+        :data:`NONE_WITH_TEMPERATURE`."""
+        if self.method != NONE:
+            return self.method, self.factor, dict(self.options)
+        return (*NONE_WITH_TEMPERATURE, dict(self.options)) if self.options else None
+
 
 def parse_options(pairs: list[str] | None) -> dict[str | None, dict[str, str]]:
     """``KEY=VALUE`` (every method that accepts KEY) or ``METHOD.KEY=VALUE`` -> {method or None: {key: value}}."""
@@ -43,7 +55,7 @@ def parse_options(pairs: list[str] | None) -> dict[str | None, dict[str, str]]:
         method = None
         if "." in key:
             method, key = key.split(".", 1)
-            method = resolve_method(method).name
+            method = NONE if method.strip().lower() == NONE else resolve_method(method).name
         out.setdefault(method, {})[key.strip()] = value.strip()
     return out
 
@@ -81,7 +93,12 @@ def parse_methods(
         if name == NONE:
             if own:
                 raise ValueError("'none' (the unpatched model) takes no factor")
-            req = MethodRequest(NONE)
+            own_options = by_method.get(NONE, {})  # only by name: a global --option leaves the baseline as it is
+            stray = sorted(set(own_options) - set(TEMPERATURE_OPTIONS))
+            if stray:
+                raise ValueError(f"'none' (the unpatched model) takes only an attention temperature "
+                                 f"({', '.join(TEMPERATURE_OPTIONS)}), not {', '.join(stray)}")
+            req = MethodRequest(NONE, None, dict(own_options))
         else:
             info = resolve_method(name)
             f = parse_factor(own, item) if own else None
@@ -140,8 +157,8 @@ class MethodChoice:
 
     @property
     def patches(self) -> bool:
-        """Whether a method other than ``none`` was asked for by name."""
-        return self.given is not None and any(r.method != NONE for r in self.given)
+        """Whether a patch was asked for by name (a method other than ``none``, or ``none`` with a temperature)."""
+        return self.given is not None and any(r.patch_call() is not None for r in self.given)
 
     def for_model(self, model, factor: float | None) -> list[MethodRequest]:
         """The requests for ``model``, ``factor`` filled in where a request takes one and names none."""
@@ -158,10 +175,12 @@ class MethodChoice:
 
 def check_request(model, request: MethodRequest) -> None:
     """Raise PatchError if ``request`` cannot be applied to (the unpatched) ``model``; touches nothing."""
-    if request.method == NONE:
+    call = request.patch_call()
+    if call is None:
         return
     from ..api import build_spec
 
-    if request.factor is None and METHODS[request.method].needs_factor:
-        raise PatchError(f"method {request.method!r} needs a factor: give --factor N or {request.method}:N")
-    build_spec(model, request.method, request.factor, **request.options)
+    method, factor, options = call
+    if factor is None and METHODS[method].needs_factor:
+        raise PatchError(f"method {method!r} needs a factor: give --factor N or {method}:N")
+    build_spec(model, method, factor, **options)

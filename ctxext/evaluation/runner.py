@@ -18,7 +18,7 @@ from .models import model_info
 from .passkey import DEFAULT_DEPTHS, passkey_accuracy, passkey_prompt_check
 from .keytokens import key_masks, needed_ranges
 from .perplexity import plan_documents, score_documents
-from .requests import NONE, MethodChoice, MethodRequest, check_request
+from .requests import MethodChoice, MethodRequest, check_request
 from .results import ResultStore, row_key
 from .tasks import Encoder, check_length, task_accuracy
 from .tasks import sources as task_sources
@@ -222,8 +222,10 @@ class Runner:
             if not todo:
                 continue
             try:
-                if req.method != NONE:
-                    patch(model, req.method, req.factor, **req.options)
+                call = req.patch_call()
+                if call is not None:
+                    method, factor, options = call
+                    patch(model, method, factor, **options)
             except PatchError as exc:
                 self.error(f"{job.label}: {exc}")
                 continue
@@ -254,7 +256,7 @@ class Runner:
                 if describe(model) is not None:
                     unpatch(model)
         for req in requests:  # labels of rows finished in an earlier (resumed) run
-            info["methods"].setdefault(req.label, None if req.method == NONE else _spec_of(self.store, job.label, req))
+            info["methods"].setdefault(req.label, None if req.patch_call() is None else _spec_of(self.store, job.label, req))
         del model
 
     def _key_masks(self, job: ModelJob, model, info: dict[str, Any], docs, usable: list[int]):
