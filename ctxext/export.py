@@ -20,6 +20,8 @@ extrapolate       the new ``max_position_embeddings`` only (rotary, BLOOM; GPT-J
                   which transformers builds the longer sin-cos table, verified against it)
 pi, extrapolate   ``wpe`` saved as the method's table (``n_positions`` rows), ``n_positions`` the patched length
 (GPT-2)           (the original table goes to ``ctxext_original_positions.safetensors`` beside the weights)
++ temperature=    the method's form plus ``rope_parameters.llama_4_scaling_beta`` = beta, on models whose attention
+llama4 (rotary)   reads it (Ministral 3), shipped with beta 0, floored at ``original_max_position_embeddings``
 ================  =========================================================================================
 
 Every rotary candidate is *verified* before it is written: transformers' own rotary class is built from the native

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 
 import pytest
 import torch
@@ -434,6 +435,51 @@ def test_a_native_export_of_a_model_with_a_shipped_temperature_keeps_it(tmp_path
     assert plain.config.rope_parameters["original_max_position_embeddings"] == L0
     with torch.no_grad():
         torch.testing.assert_close(plain(ids).logits, patched, atol=1e-5, rtol=0)
+
+
+def test_a_llama4_temperature_exports_natively_where_the_model_reads_its_beta(tmp_path):
+    """On a model whose attention reads llama_4_scaling_beta (Ministral 3) shipped with beta 0, temperature=llama4
+    floored at its original length saves as that beta: plain transformers gives the patched logits, ctxext reloads
+    the patch (the temperature applied once), and unpatch gives the model as shipped."""
+    from transformers import AutoModelForCausalLM
+
+    from ctxext.export import check_native
+
+    model = ctxext.patch(_ministral3(0.0), "extrapolate", 4, temperature="llama4", beta=0.3, floor=L0)
+    assert check_native(model) is None
+    ids = _ids(5 * L0)
+    with torch.no_grad():
+        patched = model(ids).logits
+        shipped = _ministral3(0.0)(ids).logits
+    assert (patched - shipped).abs().max() > 1e-4  # the temperature acts past the floor
+    model.save_pretrained(tmp_path)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert plain.config.rope_parameters["llama_4_scaling_beta"] == 0.3
+    loaded = ctxext.from_pretrained(tmp_path).eval()
+    assert ctxext.describe(loaded)["options"] == {"temperature": "llama4", "beta": 0.3, "floor": L0}
+    with torch.no_grad():
+        torch.testing.assert_close(plain(ids).logits, patched, atol=1e-5, rtol=0)
+        torch.testing.assert_close(loaded(ids).logits, patched, atol=1e-5, rtol=0)
+        ctxext.unpatch(loaded)
+        assert loaded.config.rope_parameters["llama_4_scaling_beta"] == 0.0
+        torch.testing.assert_close(loaded(ids).logits, shipped, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("beta,options,match", [
+    (0.2, {"temperature": "llama4", "beta": 0.3, "floor": L0}, "ships llama_4_scaling_beta=0.2"),
+    (0.0, {"temperature": "logn"}, "temperature=logn .* no transformers-native form here"),
+    (0.0, {"temperature": "llama4", "beta": 0.3, "floor": 2 * L0}, "transformers floors llama_4_scaling_beta at"),
+])
+def test_a_temperature_without_its_native_form_saves_marked(tmp_path, beta, options, match):
+    from transformers import AutoModelForCausalLM
+
+    from ctxext.export import check_native
+
+    model = ctxext.patch(_ministral3(beta), "extrapolate", 4, **options)
+    assert re.search(match, check_native(model)), check_native(model)
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"ctxext\.from_pretrained\(path\)"):
+        AutoModelForCausalLM.from_pretrained(tmp_path)
 
 
 def test_qwen25_1m_dual_chunk_settings_are_not_silently_replaced_by_dca_defaults():

@@ -222,12 +222,69 @@ def _verify_rotary(model: nn.Module, spec: PatchSpec, changes: dict[str, Any], p
     return None
 
 
+#: The key transformers' Ministral 3 (and Mistral 4) attention reads its llama4 temperature from, in rope_parameters,
+#: with ``original_max_position_embeddings`` as the floor: the one native form an attention temperature has.
+LLAMA4_BETA = "llama_4_scaling_beta"
+
+
+def _llama4_scale_function(model: nn.Module):
+    """transformers' llama4 temperature function where this model's attention reads ``llama_4_scaling_beta``: the
+    modeling module of the model's class defines it (``get_llama_4_attn_scale``; ``_get_llama_4_attn_scale`` in
+    transformers 5.0) and the config carries the key. Else None."""
+    import sys
+
+    module = sys.modules.get(type(model).__module__)
+    params = getattr(model.config, "rope_parameters", None)
+    if not isinstance(params, dict) or LLAMA4_BETA not in params:
+        return None
+    return getattr(module, "get_llama_4_attn_scale", None) or getattr(module, "_get_llama_4_attn_scale", None)
+
+
+def _llama4_temperature_function(model: nn.Module, spec: PatchSpec):
+    """transformers' function for the patch's temperature on this model, or NoNativeForm saying why it has none."""
+    form = spec.options[TEMPERATURE]
+    scale = _llama4_scale_function(model)
+    if form != "llama4" or scale is None:
+        raise NoNativeForm(f"{TEMPERATURE}={form} (an attention temperature) has no transformers-native form here: "
+                           f"transformers writes one only as {LLAMA4_BETA} (temperature=llama4) on models whose "
+                           "attention reads it (Ministral 3)")
+    shipped = model.config.rope_parameters.get(LLAMA4_BETA) or 0.0
+    if shipped:
+        raise NoNativeForm(f"the model ships {LLAMA4_BETA}={shipped:g}; the temperature given multiplies it, which "
+                           "no single beta writes")
+    return scale
+
+
+def _temperature_changes(model: nn.Module, spec: PatchSpec, changes: dict[str, Any]) -> dict[str, Any]:
+    """``changes`` with the patch's attention temperature written natively, where transformers has the form:
+    ``temperature=llama4`` on a model that reads ``llama_4_scaling_beta``, shipped with beta 0 (a shipped temperature
+    multiplies ctxext's, which no single beta writes), floored at the native ``original_max_position_embeddings``.
+    The beta written is verified: transformers' own function of it equals the patch's factors at every position up to
+    8x the floor. NoNativeForm says why not."""
+    from ..methods.temperature import Temperature
+
+    scale = _llama4_temperature_function(model, spec)
+    if not isinstance(changes.get("rope_parameters"), dict):
+        raise NoNativeForm(f"{LLAMA4_BETA} is read from rope_parameters, which this config form has not")
+    rope = dict(changes["rope_parameters"])
+    floor = rope.get("original_max_position_embeddings")
+    temperature = Temperature.from_options(spec.options, spec.original_length)
+    if floor != (temperature.floor or temperature.original_length):
+        raise NoNativeForm(f"{TEMPERATURE}=llama4 with floor {temperature.floor or temperature.original_length}: "
+                           f"transformers floors {LLAMA4_BETA} at original_max_position_embeddings ({floor})")
+    positions = torch.arange(8 * int(floor)).unsqueeze(0)
+    theirs = scale(positions, temperature.beta, floor).reshape(-1)
+    if not _close(theirs, temperature(positions).reshape(-1)):
+        raise NoNativeForm(f"transformers' {LLAMA4_BETA} temperature differs from the patch's")
+    rope[LLAMA4_BETA] = temperature.beta
+    return {**changes, "rope_parameters": rope}
+
+
 def native_form(model: nn.Module, spec: PatchSpec, title: str) -> NativeForm:
     """The verified native form of ``spec`` on the patched rotary ``model`` (``title``: its family, for the
     reason where the method has none); NoNativeForm says why there is none."""
     if spec.options.get(TEMPERATURE):
-        raise NoNativeForm(f"{TEMPERATURE}={spec.options[TEMPERATURE]} (an attention temperature) has no "
-                           "transformers-native form that ctxext writes")
+        _llama4_temperature_function(model, spec)  # refused before any candidate is built
     modules = rotary_modules(model)
     if not modules or any(getattr(m, "config", None) is not model.config for _, m in modules):
         raise NoNativeForm("the rotary modules do not read the model's own config (a nested text config); "
@@ -242,12 +299,19 @@ def native_form(model: nn.Module, spec: PatchSpec, title: str) -> NativeForm:
     for changes in _rotary_candidates(model.config, spec, inputs.base, inputs.dim, inputs.preset,
                                       modules[0][1].attention_scaling, title):
         problem = _verify_rotary(model, spec, changes, inputs.preset)
+        if problem is None and spec.options.get(TEMPERATURE):
+            try:
+                changes = _temperature_changes(model, spec, changes)
+            except NoNativeForm as exc:
+                problem = str(exc)
         if problem is None:
             rope = changes.get("rope_parameters") or changes.get("rope_scaling") or {}
             what = f"rope type {rope.get('rope_type', 'default')!r}"
             if theta_changes:
                 theta = changes.get("rope_parameters", changes)
                 what += f", rope_theta {theta.get('rope_theta', changes.get('rotary_emb_base'))}"
+            if spec.options.get(TEMPERATURE):
+                what += f", {LLAMA4_BETA} {changes['rope_parameters'][LLAMA4_BETA]:g}"
             return NativeForm(changes, summary=f"{what}, max_position_embeddings {changes['max_position_embeddings']}")
         reasons.append(problem)
     raise NoNativeForm(f"{spec.method} x{spec.factor:g} has no exact native form on this model: "
