@@ -16,7 +16,7 @@ pytest.importorskip("peft")
 sys.path.insert(0, str(Path(__file__).parent))
 from test_finetune import bases, make  # noqa: E402,F401
 
-from ctxext.finetune import RecipeError, run  # noqa: E402
+from ctxext.finetune import RecipeError, check, run  # noqa: E402
 from ctxext.finetune.trainer import training_arguments  # noqa: E402
 
 QUICK = dict(train={"steps": 2, "save_every": 0, "gradient_checkpointing": False}, eval={"enabled": False})
@@ -63,7 +63,9 @@ def test_train_args_change_the_training(bases, tmp_path):  # noqa: F811
 
 def test_a_bad_train_args_value_is_refused_before_anything_is_written(bases, tmp_path):  # noqa: F811
     recipe = _make(bases, tmp_path / "out", args={"optim": "no_such_optimizer"})
-    with pytest.raises(RecipeError, match="train.args: transformers.TrainingArguments refused them"):
+    with pytest.raises(RecipeError, match="train: transformers.TrainingArguments refused the training settings"):
+        check(recipe)  # --check builds the TrainingArguments too
+    with pytest.raises(RecipeError, match="train: transformers.TrainingArguments refused the training settings"):
         run(recipe, progress=False)
     assert not (tmp_path / "out").exists()
 
@@ -100,3 +102,55 @@ def test_trainer_checkpoint_holds_ctxext_record(bases, tmp_path):  # noqa: F811
     assert done["finished"] and len(done["losses"]) == 4
     assert not (out / "checkpoint-4").exists()  # the end saves the adapter, not a last checkpoint
     assert torch.isfinite(torch.tensor(done["losses"])).all()
+
+
+def test_log_every_keeps_one_loss_per_step_and_logs_the_last(bases, tmp_path):  # noqa: F811
+    every = run(_make(bases, tmp_path / "every", train={"steps": 6}), progress=False)
+    sparse = run(_make(bases, tmp_path / "sparse", train={"steps": 6, "log_every": 4}), progress=False)
+    assert sparse["losses"] == every["losses"] and len(sparse["losses"]) == 6
+    steps = [json.loads(x) for x in (tmp_path / "sparse" / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in steps if e["event"] == "step"] == [4, 6]
+    past = run(_make(bases, tmp_path / "past", train={"steps": 2, "log_every": 5}), progress=False)
+    assert past["finished"] and past["final_loss"] == pytest.approx(every["losses"][1])
+
+
+def test_a_non_finite_loss_stops_before_the_checkpoint_of_its_step(bases, tmp_path, monkeypatch):  # noqa: F811
+    from ctxext.finetune import data as ft_data
+
+    real = ft_data.PackedData.example
+    monkeypatch.setattr(ft_data.PackedData, "example", lambda self, i: real(self, i) if i < 2 else dict(
+        real(self, i), labels=real(self, i)["labels"].clone().fill_(-100)))
+    with pytest.raises(RecipeError, match=r"loss is nan at step 2"):
+        run(_make(bases, tmp_path / "out", train={"steps": 4, "batch_size": 2, "micro_batch_size": 2,
+                                                  "save_every": 1, "log_every": 4}), progress=False)
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-1"]
+
+
+def test_save_every_may_change_on_resume(bases, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    run(_make(bases, out, train={"steps": 6, "save_every": 0}), stop_after=2, progress=False)
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # --stop-after's
+    done = run(_make(bases, out, train={"steps": 6, "save_every": 2}), resume=True, progress=False)
+    assert done["finished"] and (out / "checkpoint-4").is_dir()
+
+
+def test_overwrite_clears_the_old_layout_so_a_resume_works(bases, tmp_path):  # noqa: F811
+    out = tmp_path / "out"
+    old = out / "checkpoints" / "step-000002"
+    old.mkdir(parents=True)
+    (old / "state.json").write_text("{}")
+    with pytest.raises(RecipeError, match=r"old layout \(checkpoints/step-N/\)"):
+        run(_make(bases, out, train={"steps": 4}), resume=True, progress=False)
+    run(_make(bases, out, train={"steps": 4}, output={"overwrite": True}), stop_after=2, progress=False)
+    assert not (out / "checkpoints").exists()
+    assert run(_make(bases, out, train={"steps": 4}), resume=True, progress=False)["finished"]
+
+
+def test_several_gpus_in_one_process_are_refused(bases, tmp_path, monkeypatch):  # noqa: F811
+    """Trainer would wrap the model in DataParallel: n_gpu x the global batch, the run's samples read twice."""
+    from transformers import TrainingArguments
+
+    monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self: 2))
+    with pytest.raises(RecipeError, match=r"2 GPUs are visible to one process: .*torchrun --nproc_per_node 2"):
+        run(_make(bases, tmp_path / "out"), progress=False)
+    assert not (tmp_path / "out").exists()

@@ -332,6 +332,8 @@ def test_eval_none_takes_a_temperature_by_name_only():
         parse_methods("none", factor=None, options=["none.beta_fast=3"])
     with pytest.raises(ValueError, match="not among --methods"):
         parse_methods("yarn:4", factor=None, options=["none.temperature=logn"])
+    with pytest.raises(ValueError, match="none.beta: parameters of an attention temperature; give none.temperature"):
+        parse_methods("none", factor=None, options=["none.beta=0.3"])
 
 
 def test_eval_none_with_a_temperature_scores_the_model_as_loaded_plus_the_temperature(tmp_path):

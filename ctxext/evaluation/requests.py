@@ -98,6 +98,9 @@ def parse_methods(
             if stray:
                 raise ValueError(f"'none' (the unpatched model) takes only an attention temperature "
                                  f"({', '.join(TEMPERATURE_OPTIONS)}), not {', '.join(stray)}")
+            if own_options and TEMPERATURE not in own_options:
+                raise ValueError(f"none.{', none.'.join(own_options)}: parameters of an attention temperature; give "
+                                 f"none.{TEMPERATURE}=logn|llama4|ssmax with them")
             req = MethodRequest(NONE, None, dict(own_options))
         else:
             info = resolve_method(name)

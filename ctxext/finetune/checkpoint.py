@@ -125,6 +125,8 @@ def set_aside(paths: list[Path]) -> None:
 
 
 def remove_all(out: Path) -> None:
+    """Every checkpoint of an earlier run (also ctxext's old layout, and the damaged ones set aside)."""
+    shutil.rmtree(Path(out) / OLD_LAYOUT, ignore_errors=True)
     for path in Path(out).glob(f"*{PREFIX}*"):
         if path.is_dir() and (path.name.startswith(PREFIX) or path.name.startswith(DAMAGED_PREFIX + PREFIX)):
             shutil.rmtree(path, ignore_errors=True)

@@ -331,6 +331,8 @@ def _key_path(loc: tuple, unknown: bool) -> tuple[list[str], type[BaseModel]]:
 
 def _drop(data: dict, path: list[str]) -> None:
     """Remove the key at ``path`` (list indices stripped: the whole list goes) so that it keeps its default."""
+    if not path:
+        return
     *parents, last = [p.split("[")[0] for p in path]
     for part in parents:
         data = data.get(part) if isinstance(data, dict) else None
@@ -342,10 +344,23 @@ def _copy(data: Any) -> Any:
     return {k: _copy(v) for k, v in data.items()} if isinstance(data, dict) else data
 
 
+def _drop_non_string_keys(data: dict, where: str, problems: Problems) -> None:
+    """Keys that are not names (YAML reads on / off / yes / no and numbers as values): reported and dropped."""
+    for key in list(data):
+        name = f"{where}.{key}" if where else str(key)
+        if not isinstance(key, str):
+            problems.add(f"{'key' if where else 'section'} {name!r} is not a name (YAML reads on, off, yes, no, true, "
+                         "false and numbers as values): quote it or correct it")
+            del data[key]
+        elif isinstance(data[key], dict) and key != "options" and key != "args":
+            _drop_non_string_keys(data[key], name, problems)
+
+
 def _parse(data: dict, problems: Problems) -> Recipe | None:
     """pydantic reads the recipe; each error becomes one line with its key path, and the keys it could not read are
     dropped (they keep their defaults) so that the checks of the rest still run. None if even that fails."""
     data = _copy(data)
+    _drop_non_string_keys(data, "", problems)
     try:
         return Recipe.model_validate(data)
     except ValidationError as exc:
@@ -697,7 +712,8 @@ OWNED = {
     "activation_checkpointing": "train.gradient_checkpointing",
     "gradient_checkpointing_kwargs": "ctxext (use_reentrant: false)", "activation_checkpointing_kwargs": "ctxext",
     "bf16": "train.mixed_precision", "fp16": "train.mixed_precision", "seed": "train.seed",
-    "logging_steps": "train.log_every", "save_steps": "train.save_every", "save_strategy": "train.save_every",
+    "logging_steps": "ctxext (every step; train.log_every sets log.jsonl's)", "logging_strategy": "ctxext",
+    "save_steps": "train.save_every", "save_strategy": "train.save_every",
     "save_total_limit": "train.keep_checkpoints", "use_cpu": "train.cpu", "resume_from_checkpoint": "--resume",
     "disable_tqdm": "--no-progress", "logging_nan_inf_filter": "ctxext (a non-finite loss stops the run)",
     "remove_unused_columns": "ctxext (its examples hold only model inputs)",

@@ -61,9 +61,14 @@ def check_data_size(recipe: Recipe, sequences: int, seq_length: int) -> None:
 
 
 def check(recipe: Recipe) -> dict[str, Any]:
-    """Every check that needs no weights: the output folder can be written, the recipe, the patch against the
-    architecture, the LoRA targets. Returns what the run would record (the patch spec and the training length)."""
+    """Every check that needs no weights: the output folder can be written, the training settings (transformers'
+    TrainingArguments built from them), the recipe, the patch against the architecture, the LoRA targets. Returns
+    what the run would record (the patch spec and the training length)."""
+    from .trainer import training_arguments
+
     check_output(recipe)
+    training_arguments(recipe, _accumulation(recipe, int(os.environ.get("WORLD_SIZE", "1"))), False,
+                       use_cpu=recipe.train.cpu or not _has_accelerator())
     model = skeleton(recipe.model)
     if model is None:
         return {"checked_architecture": False}
@@ -251,6 +256,11 @@ def run(
     world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun / accelerate launch set it
     accum = _accumulation(recipe, world)
     args = training_arguments(recipe, accum, progress, use_cpu=t.cpu or not _has_accelerator())
+    if args.n_gpu > 1:  # Trainer would wrap the model in DataParallel: n_gpu x the batch, samples read twice
+        raise RecipeError(f"{args.n_gpu} GPUs are visible to one process: run one process per GPU with "
+                          f"`torchrun --nproc_per_node {args.n_gpu} -m ctxext finetune ...` or `accelerate launch -m "
+                          "ctxext finetune ...` (train.batch_size stays the global batch), or pick one GPU with "
+                          "CUDA_VISIBLE_DEVICES=0")
     state = PartialState()  # the process group TrainingArguments set up; evaluation splits its windows over it
     main = state.is_main_process
 
@@ -428,6 +438,7 @@ def run(
     state.wait_for_everyone()
     return summary
 
+
 def _has_accelerator() -> bool:
     probe = getattr(getattr(torch, "accelerator", None), "is_available", None)
     return bool(probe()) if callable(probe) else torch.cuda.is_available()
@@ -442,7 +453,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         label += f" + PoSE to {pose['target_length']}"
     lines = [
         f"fine-tuned {summary['model']} ({label} + LoRA): {summary['steps']} steps, {summary['tokens']:,} tokens, "
-        f"{summary['train_seconds']:.0f} s, final loss {summary['final_loss']:.4f}",
+        f"{summary['train_seconds']:.0f} s, final loss "
+        + ("n/a" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}"),
         f"adapter: {summary['output']}",
     ]
     unpatched = summary.get("unpatched") or {}

@@ -24,7 +24,9 @@ def training_arguments(recipe: Recipe, accumulation: int, progress: bool, use_cp
         gradient_accumulation_steps=accumulation, learning_rate=t.lr, warmup_steps=t.warmup_steps,
         lr_scheduler_type=t.scheduler, weight_decay=t.weight_decay, adam_beta1=t.betas[0], adam_beta2=t.betas[1],
         max_grad_norm=t.max_grad_norm or 0.0, bf16=t.mixed_precision == "bf16",
-        fp16=t.mixed_precision == "fp16", seed=t.seed, logging_steps=t.log_every, logging_nan_inf_filter=False,
+        # the loss is logged every step (the callback keeps it per step, stops on a non-finite one before any save,
+        # and writes log.jsonl every train.log_every steps)
+        fp16=t.mixed_precision == "fp16", seed=t.seed, logging_steps=1, logging_nan_inf_filter=False,
         save_strategy="steps" if t.save_every else "no", save_steps=t.save_every or 500,
         save_total_limit=t.keep_checkpoints or None, use_cpu=use_cpu, disable_tqdm=not progress,
         remove_unused_columns=False, report_to="none", optim="adamw_torch",
@@ -37,8 +39,8 @@ def training_arguments(recipe: Recipe, accumulation: int, progress: bool, use_cp
     try:
         return TrainingArguments(**mapped)
     except (ValueError, TypeError, ImportError) as exc:
-        raise RecipeError(f"train.args: transformers.TrainingArguments refused them: "
-                          f"{' '.join(str(exc).split())}") from None
+        raise RecipeError(f"train: transformers.TrainingArguments refused the training settings (train keys and "
+                          f"train.args): {' '.join(str(exc).split())}") from None
 
 
 class RunTrainer(Trainer):
@@ -66,6 +68,10 @@ class RunCallback(TrainerCallback):
         self.tokens_per_step, self.stop_after = tokens_per_step, stop_after
         self.ran, self.tic, self.seconds = 0, 0.0, 0.0
 
+    def on_train_begin(self, args, state, control, **kwargs):
+        # a resumed state carries the interrupted run's cadence: train.save_every may change on resume
+        state.save_steps, state.logging_steps = args.save_steps, args.logging_steps
+
     def on_step_begin(self, args, state, control, **kwargs):
         self.tic = time.perf_counter()
 
@@ -83,16 +89,21 @@ class RunCallback(TrainerCallback):
             return
         loss = float(logs["loss"])
         self.record["losses"].append(loss)
-        tok_s = self.tokens_per_step / self.seconds if self.seconds > 0 else float("nan")
-        grad = logs.get("grad_norm")
-        self.log.write(event="step", step=state.global_step, loss=loss, lr=logs.get("learning_rate"),
-                       grad_norm=None if grad is None else float(grad),
-                       tokens=state.global_step * self.tokens_per_step, tokens_per_s=tok_s, seconds=self.seconds)
-        if not math.isfinite(loss):
+        if state.global_step % self.recipe.train.log_every == 0 or state.global_step >= state.max_steps \
+                or not math.isfinite(loss):
+            tok_s = self.tokens_per_step / self.seconds if self.seconds > 0 else float("nan")
+            grad = logs.get("grad_norm")
+            self.log.write(event="step", step=state.global_step, loss=loss, lr=logs.get("learning_rate"),
+                           grad_norm=None if grad is None else float(grad),
+                           tokens=state.global_step * self.tokens_per_step, tokens_per_s=tok_s, seconds=self.seconds)
+        if not math.isfinite(loss):  # raised before the step's checkpoint (Trainer logs, then saves)
             raise RecipeError(f"loss is {loss} at step {state.global_step}: lower train.lr (or lora.alpha / lora.r, "
                               "the scale of the LoRA update), or check the data")
 
     def on_save(self, args, state, control, **kwargs):
+        from accelerate import PartialState
+
+        PartialState().wait_for_everyone()  # every process's files are written before the record that lists them
         if state.is_world_process_zero:
             path = Path(args.output_dir) / f"{ckpt.PREFIX}{state.global_step}"
             ckpt.write_state(path, dict(self.record, step=state.global_step, recipe=self.recipe.to_dict(),
