@@ -19,9 +19,11 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
 from .config import Recipe, RecipeError
 
-PREFIX = "checkpoint-"  # transformers.trainer_utils.PREFIX_CHECKPOINT_DIR
+PREFIX = f"{PREFIX_CHECKPOINT_DIR}-"  # Trainer's folder names: checkpoint-N
 STATE = "ctxext_state.json"
 DAMAGED_PREFIX = "damaged-"
 #: the layout of ctxext before Trainer (``OUT/checkpoints/step-000100``): not resumable, named in the refusal
@@ -127,8 +129,8 @@ def set_aside(paths: list[Path]) -> None:
 def remove_all(out: Path) -> None:
     """Every checkpoint of an earlier run (also ctxext's old layout, and the damaged ones set aside)."""
     shutil.rmtree(Path(out) / OLD_LAYOUT, ignore_errors=True)
-    for path in Path(out).glob(f"*{PREFIX}*"):
-        if path.is_dir() and (path.name.startswith(PREFIX) or path.name.startswith(DAMAGED_PREFIX + PREFIX)):
+    for path in Path(out).iterdir():
+        if path.is_dir() and path.name.removeprefix(DAMAGED_PREFIX).startswith(PREFIX):
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -298,8 +298,9 @@ def run(
     if t.pose is not None and recipe.patch.method is None and pose_target:
         # no patch to wait for: probe before any evaluation (it runs again after the no-op patch: two tiny passes)
         check_position_input(model, pose_target)
-    if latest is not None:
-        record.update({k: v for k, v in ckpt.read_state(latest).items() if k in record})
+    saved = ckpt.read_state(latest) if latest is not None else None  # the interrupted run's record
+    if saved is not None:
+        record.update({k: v for k, v in saved.items() if k in record})
     elif recipe.eval.enabled and recipe.eval.unpatched and eval_lengths:
         say(f"perplexity of the unpatched model on {eval_label} at {', '.join(map(str, eval_lengths))} tokens")
         record["unpatched"] = _evaluate(recipe, model, eval_tokens, eval_lengths, state, progress, tolerant=True)
@@ -367,8 +368,8 @@ def run(
     if progress:
         trainer.add_callback(LossBar)
     if latest is not None:
-        log.truncate_after(int(json.loads((latest / "trainer_state.json").read_text())["global_step"]))
-        log.write(event="resume", step=ckpt.read_state(latest)["step"], checkpoint=latest.name, world_size=world)
+        log.truncate_after(saved["step"])
+        log.write(event="resume", step=saved["step"], checkpoint=latest.name, world_size=world)
         say(f"resuming from {latest}")
     # S²-Attn while training only: evaluation (model.eval()) already runs full attention; undone before the save
     undo_shift = enable_shift_attention(model, t.shift_group_ratio) if t.shift_attention else None
