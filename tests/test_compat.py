@@ -158,14 +158,19 @@ def test_cpu_flash_attention_returns_output_and_log_sum_exp():
     torch.testing.assert_close(lse.reshape(1, 2, 5), scores.logsumexp(-1))
 
 
-def test_raise_recompile_limit_raises_and_never_lowers(monkeypatch):
+def test_recompile_limit_is_raised_inside_the_block_only_and_never_lowered(monkeypatch):
     import torch._dynamo.config as dynamo_config
 
     monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
-    torch_compat.raise_recompile_limit(64)
-    assert dynamo_config.recompile_limit == 64
-    torch_compat.raise_recompile_limit(16)
-    assert dynamo_config.recompile_limit == 64
+    with torch_compat.raised_recompile_limit(64):
+        assert dynamo_config.recompile_limit == 64
+    assert dynamo_config.recompile_limit == 8  # the process's own setting, untouched after the block
+    with torch_compat.raised_recompile_limit(4):
+        assert dynamo_config.recompile_limit == 8  # never lowered
+    with pytest.raises(RuntimeError):
+        with torch_compat.raised_recompile_limit(64):
+            raise RuntimeError("a failing compiled call")
+    assert dynamo_config.recompile_limit == 8  # restored on an error too
 
 
 # -- lm-eval -------------------------------------------------------------------------------------------------------

@@ -384,6 +384,33 @@ def test_patched_model_generate_uses_flex_prefill_and_matches():
     assert torch.equal(out, ref)
 
 
+def test_compiled_path_leaves_dynamos_settings_as_it_found_them(monkeypatch):
+    """The compiled flex path (CUDA's; here with torch.compile stood in by a recorder on CPU) runs with dynamo's
+    recompile limit raised during its calls only: the process's own setting is the same afterwards."""
+    import torch._dynamo.config as dynamo_config
+
+    seen = []
+
+    def fake_compile(fn, **kwargs):
+        def call(*args, **kw):
+            seen.append(dynamo_config.recompile_limit)
+            return fn(*args, **kw)
+
+        return call
+
+    monkeypatch.setattr(dynamo_config, "recompile_limit", 8)
+    monkeypatch.setattr(FP, "_compile_target", lambda device: True)
+    monkeypatch.setattr(FP, "_compiled", {})
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    q, k, v = _inputs(1, 4, 2, 200, 200)
+    module = _module()
+    ref, _ = existing_alibi(module, q, k, v, None)
+    out, _ = FF.alibi_attention_forward_flex(module, q, k, v, None)
+    _close(out, ref)
+    assert seen and all(limit >= FP.RECOMPILE_LIMIT for limit in seen)  # block mask and flex, each raised
+    assert dynamo_config.recompile_limit == 8
+
+
 # ------------------------------------------------------------------------------------------------------------ GPU
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -417,9 +444,12 @@ def test_cuda_compiled_path_matches_existing(monkeypatch, method, dtype, atol):
 @needs_cuda
 @pytest.mark.parametrize("method", ["alibi", "self-extend"])
 def test_cuda_patched_model_logits(monkeypatch, method):
+    import torch._dynamo.config as dynamo_config
+
     import ctxext
 
     monkeypatch.delenv("CTXEXT_FLEX")
+    limit = dynamo_config.recompile_limit
     model = _llama(max_position_embeddings=1024, hidden_size=256, head_dim=32, num_attention_heads=8,
                    num_key_value_heads=4).to("cuda", torch.bfloat16)
     ctxext.patch(model, method, 4)
@@ -431,3 +461,4 @@ def test_cuda_patched_model_logits(monkeypatch, method):
             out = model(ids).logits.float()
     assert math.isfinite(float(out.abs().max()))
     torch.testing.assert_close(out, ref, atol=5e-2, rtol=0)
+    assert dynamo_config.recompile_limit == limit  # compiled with a raised limit, the process's setting untouched

@@ -208,3 +208,52 @@ def test_unpatch_is_bit_exact_on_cuda(method):
     ctxext.unpatch(model)
     assert torch.equal(_logits(model, ids), before)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+
+
+# ----------------------------------------------------------- the remap merge path on CUDA's fused kernels (issue 23)
+
+
+@pytest.fixture
+def cuda_merge_path(monkeypatch):
+    """The log-sum-exp merge path on CUDA (opt-in until a torch version is recorded as tested), not flex."""
+    monkeypatch.setenv("CTXEXT_CUDA_LSE", "1")
+    monkeypatch.setenv("CTXEXT_FLEX", "0")
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("name", ["band", "band, partial", "band and sinks", "chunks", "random starts"])
+def test_split_attention_on_cuda_kernels_matches_the_dense_definition(cuda_merge_path, name, dtype, atol):
+    import ctxext.attention.lse as lse_attention
+    from test_remap_lse import SHAPES, _dense, _inputs, _which
+
+    T, starts, far_keys, batch = SHAPES[name]
+    near_start = starts(T)
+    queries, keys, v = _inputs(5, batch, T, dtype)
+    out = lse_attention.split_attention([t.to(CUDA) for t in queries], [t.to(CUDA) for t in keys], v.to(CUDA),
+                                        near_start.to(CUDA), far_keys, 16**-0.5)
+    reference = _dense(*queries, *keys, v, _which(near_start, far_keys), 16**-0.5)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double().cpu(), reference, atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("method,factor,options", [("self-extend", 8, {}), ("rerope", 8, {}),
+                                                   ("dca", 8, {"chunk_size": 40}), ("string", None, {}),
+                                                   ("streaming-llm", 8, {"window": 50})])
+def test_patched_model_on_the_cuda_merge_path_equals_the_chunked_path(cuda_merge_path, monkeypatch, method, factor,
+                                                                       options):
+    import ctxext.attention.remap as remap_attention
+
+    monkeypatch.setattr(remap_attention, "LSE_MIN_LEN", 64)
+    calls = []
+    real = remap_attention.split_attention
+    monkeypatch.setattr(remap_attention, "split_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = tiny_llama()
+    apply_remap(model, method, factor, options)
+    model.to(CUDA)
+    ids = _ids(300, batch=2).to(CUDA)
+    with torch.no_grad():
+        fast = model(ids).logits
+        assert len(calls) == model.config.num_hidden_layers  # every layer took the merge path
+        monkeypatch.setattr(remap_attention, "LSE_PATH", False)
+        slow = model(ids).logits
+    torch.testing.assert_close(fast, slow, atol=1e-4, rtol=0)

@@ -257,3 +257,90 @@ def test_the_causal_mask_check_reads_a_new_mask_anew():
     assert not ra._is_causal(padded)
     causal[0, 3, 0] = False  # changed in place: read again
     assert not ra._is_causal(causal)
+
+
+# ------------------------------------------------------------------------------- CUDA's fused kernels, emulated
+# No GPU here: the adapter that runs the merge path on CUDA (``compat.torch.cuda_attention_with_lse``) is checked
+# with stand-ins for the two CUDA ops, written from their documented contracts (flash: no mask, equal head counts,
+# log-sum-exp (B, H, L); memory-efficient: a 4D bias whose rows start at multiples of 16, log-sum-exp padded to a
+# multiple of 32 queries), and the real ops' signatures and output shapes on the meta device. tests/test_gpu.py runs
+# the real kernels.
+
+import ctxext.compat.torch as torch_compat  # noqa: E402
+
+
+def _contract_attention(q, k, v, causal, scale, bias=None):
+    assert k.shape[1] == q.shape[1] == v.shape[1], "the CUDA ops get as many key/value heads as query heads"
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if bias is not None:
+        s = s + bias.double()
+    if causal:
+        assert q.shape[2] == k.shape[2]
+        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), -math.inf)
+    lse = s.logsumexp(-1)
+    return (s.softmax(-1).nan_to_num(0.0) @ v.double()).to(q.dtype), lse.float()
+
+
+def _fake_flash(q, k, v, dropout, causal, debug, scale=None):
+    assert dropout == 0.0 and not debug and q.dtype in (torch.float16, torch.bfloat16)
+    return (*_contract_attention(q, k, v, causal, scale), None, None, 0, 0, None, None, None)
+
+
+def _fake_efficient(q, k, v, bias, compute_lse, dropout, causal, scale=None):
+    assert compute_lse and dropout == 0.0
+    if bias is not None:
+        assert bias.dim() == 4 and bias.stride(-2) % torch_compat.EFFICIENT_BIAS_ALIGN == 0 and bias.stride(-1) == 1
+    out, lse = _contract_attention(q, k, v, causal, scale, bias)
+    padded = torch.full((*lse.shape[:-1], -(-lse.shape[-1] // 32) * 32), math.inf)
+    padded[..., : lse.shape[-1]] = lse
+    return out, padded, None, None
+
+
+@pytest.fixture
+def emulated_cuda(monkeypatch):
+    fakes = {torch_compat.CUDA_FLASH_OP: _fake_flash, torch_compat.CUDA_EFFICIENT_OP: _fake_efficient}
+    monkeypatch.setattr(torch_compat, "_aten", fakes.__getitem__)
+    monkeypatch.setattr(lse_attention, "_attend", torch_compat.cuda_attention_with_lse)
+
+
+@pytest.mark.parametrize("name", ["band", "band and sinks", "chunks", "random starts"])
+def test_split_attention_on_cudas_kernel_contracts_matches_the_dense_definition(emulated_cuda, name):
+    T, starts, far_keys, batch = SHAPES[name]
+    near_start = starts(T)
+    queries, keys, v = _inputs(5, batch, T)
+    out = lse_attention.split_attention(queries, keys, v, near_start, far_keys, 16**-0.5)
+    reference = _dense(*queries, *keys, v, _which(near_start, far_keys), 16**-0.5)
+    torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=0)
+    q16, k16, v16 = ([t.to(torch.bfloat16) for t in queries], [t.to(torch.bfloat16) for t in keys],
+                     v.to(torch.bfloat16))  # bf16: mask-free calls take the flash contract, masked ones the other
+    out16 = lse_attention.split_attention(q16, k16, v16, near_start, far_keys, 16**-0.5)
+    reference16 = _dense(*q16, *k16, v16, _which(near_start, far_keys), 16**-0.5)
+    torch.testing.assert_close(out16.double(), reference16, atol=2e-2, rtol=0)
+
+
+def test_cuda_adapter_refuses_a_causal_call_that_is_not_square(emulated_cuda):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="square"):
+        torch_compat.cuda_attention_with_lse(q, torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), True, 0.3)
+
+
+@pytest.mark.parametrize("dtype,masked", [(torch.bfloat16, False), (torch.bfloat16, True), (torch.float32, False),
+                                          (torch.float16, True)])
+def test_cuda_ops_take_the_adapters_arguments_on_the_meta_device(dtype, masked):
+    """The real CUDA ops' signatures and output shapes (their meta kernels run on CPU): GQA keys expanded, an
+    unaligned masked width, the efficient op's padded log-sum-exp cut back to the queries."""
+    q = torch.empty(2, 6, 100, 64, device="meta", dtype=dtype)
+    k = torch.empty(2, 3, 100 if not masked else 130, 64, device="meta", dtype=dtype)
+    mask = torch.empty(100, 130, device="meta", dtype=dtype) if masked else None
+    out, lse = torch_compat.cuda_attention_with_lse(q, k, k, not masked, 0.125, mask)
+    assert out.shape == (2, 6, 100, 64) and out.dtype == dtype
+    assert lse.shape == (2, 6, 100) and lse.dtype == torch.float32
+
+
+def test_the_cuda_merge_path_is_opt_in_until_a_torch_version_is_recorded(monkeypatch):
+    monkeypatch.delenv("CTXEXT_CUDA_LSE", raising=False)
+    recorded = torch_compat._version() in torch_compat.CUDA_FUSED_TESTED
+    assert lse_attention.available("cuda") == recorded
+    monkeypatch.setenv("CTXEXT_CUDA_LSE", "1")
+    assert lse_attention.available("cuda")
+    assert lse_attention.available("cpu") and not lse_attention.available("meta")

@@ -41,7 +41,7 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
-from ..compat.torch import raise_recompile_limit
+from ..compat.torch import raised_recompile_limit
 
 #: Block size of the block masks (flex's default). Key copies are padded to a multiple of it.
 BLOCK = 128
@@ -52,8 +52,8 @@ BLOCK = 128
 COMPILE_KWARGS: dict = {"dynamic": None}
 #: Each distinct mask/score function (ALiBi, each position map, dense or compact masks) and each switch to dynamic
 #: shapes is one more compiled graph of the same function; past dynamo's ``recompile_limit`` (8 by default) dynamo
-#: silently runs flex eagerly, which materialises (B x H x Q x KV) scores. On first compile the limit is raised to
-#: at least this (None: leave dynamo's configuration alone).
+#: silently runs flex eagerly, which materialises (B x H x Q x KV) scores. Around each compiled call (only there:
+#: ``compat.torch.raised_recompile_limit`` restores it after) the limit is at least this (None: dynamo's own setting).
 RECOMPILE_LIMIT: int | None = 64
 #: Pad q/k (and v) head dims to a power of two >= 16 before calling flex: "auto" = on CUDA only, True, False.
 PAD_DIMS: bool | str = "auto"
@@ -118,17 +118,19 @@ def _compile_target(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def _raise_recompile_limit() -> None:
-    if RECOMPILE_LIMIT is None:
-        return
-    raise_recompile_limit(RECOMPILE_LIMIT)
+def _scoped(compiled):
+    """A compiled function called with dynamo's recompile limit raised for that call only."""
+    def call(*args, **kwargs):
+        with raised_recompile_limit(RECOMPILE_LIMIT):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def _flex_fn(device: torch.device):
     fa = _flex_module()
     if not _compile_target(device):
         return fa.flex_attention  # eager (CPU): the unfused reference implementation
-    _raise_recompile_limit()
     if "flex" not in _compiled:
         import logging
 
@@ -136,17 +138,16 @@ def _flex_fn(device: torch.device):
             "ctxext: compiling flex attention for the swapped-in attention (first long input; about a minute, and "
             "again once for a new length). CTXEXT_FLEX=0 keeps the uncompiled, slower sdpa path.")
         _compiled["flex"] = torch.compile(fa.flex_attention, **COMPILE_KWARGS)
-    return _compiled["flex"]
+    return _scoped(_compiled["flex"])
 
 
 def _block_mask(mask_mod, batch: int, q_len: int, kv_len: int, device: torch.device):
     fa = _flex_module()
     if not _compile_target(device):
         return fa.create_block_mask(mask_mod, batch, None, q_len, kv_len, device=device, BLOCK_SIZE=BLOCK)
-    _raise_recompile_limit()
     if "block_mask" not in _compiled:  # compiled: never materialises the (B, Q, KV) mask
         _compiled["block_mask"] = torch.compile(fa.create_block_mask, **COMPILE_KWARGS)
-    return _compiled["block_mask"](mask_mod, batch, None, q_len, kv_len, device, BLOCK)
+    return _scoped(_compiled["block_mask"])(mask_mod, batch, None, q_len, kv_len, device, BLOCK)
 
 
 def clear_cache() -> None:

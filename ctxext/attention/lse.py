@@ -5,9 +5,10 @@ fast path of every remap method that declares a ``KeySplit`` (``ctxext.methods.r
 query's chunk (and the previous one within its window) plus everything before; LM-Infinite and StreamingLLM are a
 band plus a few leading sink keys.
 
-Each piece is a call of ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``, which returns the attention
-output *and* each query's log-sum-exp of scores, over a contiguous key range, mask-free wherever the range has a
-shape the kernel knows (its causal flag aligns the diagonal top-left):
+Each piece is a call of ``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu`` (on CUDA: the flash kernel,
+or the memory-efficient one where a call has a mask or runs in float32; ``ctxext.compat.torch``), which returns the
+attention output *and* each query's log-sum-exp of scores, over a contiguous key range, mask-free wherever the range
+has a shape the kernel knows (its causal flag aligns the diagonal top-left; every causal call here is square):
 
 - a band's far keys (``0 .. i - near``, every method without ``far_keys``): one causal call over all queries from
   ``near`` on against the keys up to ``T - near``;
@@ -20,10 +21,12 @@ Disjoint key sets of one softmax merge exactly: ``out = o_a + sigmoid(lse_b - ls
 ``lse = logaddexp(lse_a, lse_b)`` (stable: no exp of a large number). The kernel returns output 0 and
 log-sum-exp 0 for a row whose keys are all masked, so such rows of a masked call are set to -inf before merging.
 
-The kernel takes grouped-query attention natively (key/value heads dividing the query heads, query head h reading
-key head ``h // (heads / kv_heads)``, as transformers' ``repeat_kv`` pairs them), so keys are never expanded. Its
+The CPU kernel takes grouped-query attention natively (key/value heads dividing the query heads, query head h
+reading key head ``h // (heads / kv_heads)``, as transformers' ``repeat_kv`` pairs them), so keys are never expanded
+there (on CUDA each call expands its slice of them). Its
 log-sum-exp output carries no gradient: callers use this without autograd only (``remap_attention_forward``
-checks). The op is private: ``available()`` allows it only on the torch versions ``ctxext.compat.torch`` pins.
+checks). The ops are private: ``available(device)`` allows them only on the torch versions ``ctxext.compat.torch``
+pins (on CUDA none yet: ``CTXEXT_CUDA_LSE=1`` opts in until a GPU run of the ``gpu`` tests records one).
 Measured on CPU: ``benchmarks/bench_remap.py`` (see the report of issue 23).
 """
 
@@ -31,8 +34,13 @@ from __future__ import annotations
 
 import torch
 
-from ..compat.torch import cpu_flash_attention, cpu_flash_attention_tested
 from ..compat.torch import CPU_FLASH_TESTED as TESTED_TORCH  # the pin lives with the op
+from ..compat.torch import (
+    cpu_flash_attention,
+    cpu_flash_attention_tested,
+    cuda_attention_with_lse,
+    cuda_fused_attention_tested,
+)
 
 #: most query rows per block
 BLOCK = 1024
@@ -40,17 +48,25 @@ BLOCK = 1024
 MIN_BLOCK = 128
 #: blocks follow runs of one near start when there are at most T / MIN_RUN of them
 MIN_RUN = 64
-#: dtypes the CPU flash kernel runs natively here
-DTYPES = (torch.float32, torch.bfloat16)
+#: dtypes the fused kernels run natively, per device type
+DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.float32, torch.bfloat16, torch.float16)}
 
 
-def _op():
-    return cpu_flash_attention()
+def _attend(q, k, v, causal: bool, scale: float, mask=None):
+    """One fused call: (output, log-sum-exp) of q over k / v, causal (square, top-left) or with an additive mask."""
+    if q.device.type == "cuda":
+        return cuda_attention_with_lse(q, k, v, causal, scale, mask)
+    out = cpu_flash_attention()(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
+    return out[0], out[1]
 
 
-def available() -> bool:
-    """The private op exists and this torch version is one it was tested on."""
-    return cpu_flash_attention_tested()
+def available(device: torch.device | str = "cpu") -> bool:
+    """The private ops for ``device`` exist and this torch version is one they were tested on (on CUDA, or
+    ``CTXEXT_CUDA_LSE=1`` asks for them: ``ctxext.compat.torch.CUDA_FUSED_TESTED``)."""
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return cpu_flash_attention_tested()
+    return kind == "cuda" and cuda_fused_attention_tested()
 
 
 def split_attention(queries, keys, value: torch.Tensor, near_start: torch.Tensor, far_keys: int | None,
@@ -88,8 +104,7 @@ def split_attention(queries, keys, value: torch.Tensor, near_start: torch.Tensor
         out_h[:, :, a:b] = o
     if triangle and first + 1 < T:
         keys_seen = T - first - 1
-        o_far, lse_far = _op()(q1[:, :, first + 1 :], k1[:, :, :keys_seen], value[:, :, :keys_seen], 0.0, True,
-                               scale=scale)
+        o_far, lse_far = _attend(q1[:, :, first + 1 :], k1[:, :, :keys_seen], value[:, :, :keys_seen], True, scale)
         _merge(out_h[:, :, first + 1 :], lse_all[..., first + 1 :], o_far, lse_far)
     return out if q0.dtype == torch.float32 else out.to(q0.dtype)
 
@@ -115,41 +130,39 @@ def _keys(q, k, v, a: int, b: int, bound: torch.Tensor, near: bool, scale: float
     ``bound[r] .. a + r``; far, keys ``0 .. bound[r] - 1``. Mask-free kernel calls where the range has a shape the
     kernel knows (a fixed start with the causal diagonal; a fixed end; an end moving with the row), one masked call
     otherwise. Rows with no key get log-sum-exp -inf (the kernel would say 0)."""
-    fa = _op()
     n = b - a
     inf = float("-inf")
     lo, hi = int(bound.min()), int(bound.max())
     if near:
         if lo == hi:  # keys lo .. a + r: the causal square plus, before it, keys every row sees
-            o, lse = fa(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], 0.0, True, scale=scale)
+            o, lse = _attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], True, scale)
             o, lse = o.float(), lse.float()
             if lo < a:
-                _merge(o, lse, *fa(q[:, :, a:b], k[:, :, lo:a], v[:, :, lo:a], 0.0, False, scale=scale))
+                _merge(o, lse, *_attend(q[:, :, a:b], k[:, :, lo:a], v[:, :, lo:a], False, scale))
             return o, lse
         j = torch.arange(lo, b, device=q.device)[None, :]
         i = torch.arange(a, b, device=q.device)[:, None]
         mask = torch.zeros(n, b - lo, dtype=q.dtype, device=q.device)
         mask.masked_fill_((j < bound[:, None]) | (j > i), inf)
-        o, lse = fa(q[:, :, a:b], k[:, :, lo:b], v[:, :, lo:b], 0.0, False, attn_mask=mask, scale=scale)
+        o, lse = _attend(q[:, :, a:b], k[:, :, lo:b], v[:, :, lo:b], False, scale, mask)
         return o.float(), lse.float()
     o = torch.zeros(q.shape[0], q.shape[1], n, v.shape[-1], dtype=torch.float32, device=q.device)
     lse = torch.full(o.shape[:-1], inf, dtype=torch.float32, device=q.device)
     if lo > 0:  # keys every row reaches
-        o_all, lse_all = fa(q[:, :, a:b], k[:, :, :lo], v[:, :, :lo], 0.0, False, scale=scale)
+        o_all, lse_all = _attend(q[:, :, a:b], k[:, :, :lo], v[:, :, :lo], False, scale)
         o.copy_(o_all)
         lse.copy_(lse_all)
     if hi > lo:  # keys only some rows reach
         first = n - 1 - (hi - lo)  # the last row without such keys, if the end moves one key per row
         rising = (torch.arange(n, device=q.device) - first).clamp(min=0)
         if first >= -1 and torch.equal(bound - lo, rising):  # a causal square from row first + 1 on
-            o_edge, lse_edge = fa(q[:, :, a + first + 1 : b], k[:, :, lo:hi], v[:, :, lo:hi], 0.0, True, scale=scale)
+            o_edge, lse_edge = _attend(q[:, :, a + first + 1 : b], k[:, :, lo:hi], v[:, :, lo:hi], True, scale)
             _merge(o[:, :, first + 1 :], lse[..., first + 1 :], o_edge, lse_edge)
         else:
             j = torch.arange(lo, hi, device=q.device)[None, :]
             mask = torch.zeros(n, hi - lo, dtype=q.dtype, device=q.device)
             mask.masked_fill_(j >= bound[:, None], inf)
-            o_edge, lse_edge = fa(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], 0.0, False, attn_mask=mask,
-                                  scale=scale)
+            o_edge, lse_edge = _attend(q[:, :, a:b], k[:, :, lo:hi], v[:, :, lo:hi], False, scale, mask)
             missed = bound <= lo  # rows whose keys were all masked: weight 0, not exp(0)
             _merge(o, lse, o_edge.masked_fill(missed[:, None], 0), lse_edge.float().masked_fill(missed, inf))
     return o, lse

@@ -30,7 +30,7 @@ cost what the unpatched model costs. Otherwise the queries go in chunks of at mo
 rotation runs sdpa with a boolean mask; a chunk that mixes rotations runs the ``STRATEGY`` below. A long full pass on
 CPU without autograd under a map that declares its key ranges (``KeySplit``: every method here) skips the chunks: a
 few calls of the fused CPU flash kernel per block of queries, one per key range, merged by log-sum-exp
-(``ctxext.attention.lse``; ``LSE_PATH`` below says exactly when).
+(``ctxext.attention.lse``; ``LSE_PATH`` below says exactly when; on CUDA, opt-in until tested there).
 
 Soft-capping and sinks. A model whose attention soft-caps its logits (Gemma 2: ``softcap`` in the call's kwargs,
 ``cap * tanh(score / cap)`` before the mask, as its eager attention does) or adds a learned sink logit per head to
@@ -74,7 +74,8 @@ STRATEGY_NOTE = ""
 #: The log-sum-exp path (``ctxext.attention.lse``): a full pass (positions 0 .. T-1, causal, no padding, q_len ==
 #: kv_len) on CPU without autograd, dropout, soft-capping or sinks, under a map that declares a ``KeySplit``, runs
 #: as a few fused CPU flash calls per block of queries (near keys, far keys), merged exactly by log-sum-exp, instead
-#: of the chunks below. False turns it off (tests, benchmarks: the "before" of a measurement); every other call
+#: of the chunks below. On CUDA the same calls run on torch's flash / memory-efficient kernels where
+#: ``lse.available("cuda")`` (``CTXEXT_CUDA_LSE=1`` until a torch version is recorded as tested). False turns it off (tests, benchmarks: the "before" of a measurement); every other call
 #: takes the paths below unchanged.
 LSE_PATH = True
 #: ... only from this many tokens. The path already wins below it (the small benchmark LLaMA, factor 4, 1 thread, whole
@@ -305,17 +306,18 @@ def remap_attention_forward(
 def _use_lse(pmap, query, key, value, dropout, qpos, kpos, mask) -> bool:
     """Whether this call may take the log-sum-exp path (see ``LSE_PATH``); every check is cheap except the mask's
     (one pass over it, only when a mask is given)."""
-    if not (LSE_PATH and pmap.split is not None and len(pmap.rotations) == 2 and query.device.type == "cpu"):
+    if not (LSE_PATH and pmap.split is not None and len(pmap.rotations) == 2 and lse_available(query.device)):
         return False
     if dropout or (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)):
         return False
     batch, heads, q_len, head_dim = query.shape
     if q_len != key.shape[2] or q_len < LSE_MIN_LEN:
         return False
-    if query.dtype not in LSE_DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+    dtypes = LSE_DTYPES.get(query.device.type, ())
+    if query.dtype not in dtypes or key.dtype != query.dtype or value.dtype != query.dtype:
         return False
-    if value.shape[-1] != head_dim or not lse_available():
-        return False
+    if value.shape[-1] != head_dim or (query.device.type == "cuda" and head_dim % 8):
+        return False  # CUDA's fused kernels want head dims in multiples of 8 (sdpa pads them; the ops do not)
     # positions 0 .. T-1 for every row, queries and keys
     expected = torch.arange(q_len, device=query.device)
     if not (bool((qpos == expected).all()) and bool((kpos == expected).all())):
