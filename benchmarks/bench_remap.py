@@ -1,7 +1,8 @@
 """Cost of attention-side position remapping: forward time and peak memory of each remap method (attention
-``ctxext_remap``) vs plain sdpa, on the small benchmark LLaMA (trained length 1024) at 4k and 16k tokens.
+``ctxext_remap``) and of the ALiBi swap (``alibi``: attention ``ctxext_alibi``) vs plain sdpa, on the small benchmark
+LLaMA (trained length 1024) at 4k and 16k tokens.
 
-    python benchmarks/bench_remap.py [--lengths 4096,16384] [--methods self-extend,dca,rerope,lm-infinite,string]
+    python benchmarks/bench_remap.py [--lengths 4096,16384] [--methods self-extend,dca,rerope,lm-infinite,string,alibi]
                                      [--repeats 1] [--runs 1] [--warmup 1] [--threads 1] [--strategy scores|concat]
                                      [--no-lse]
                                      [--out benchmarks/results/remap_cost.json]
@@ -34,7 +35,7 @@ from common import small_llama_config
 L0 = 1024
 CONFIG = small_llama_config(L0)
 TARGETS = {"memory_ratio": 1.2, "time_ratio": 1.3}  # issue 23
-METHODS = ["self-extend", "dca", "rerope", "lm-infinite", "streaming-llm", "string"]
+METHODS = ["self-extend", "dca", "rerope", "lm-infinite", "streaming-llm", "string", "alibi"]
 
 
 def child(variant: str, length: int, runs: int, threads: int, strategy: str, lse: bool, warmup: int = 1) -> dict:
@@ -51,7 +52,12 @@ def child(variant: str, length: int, runs: int, threads: int, strategy: str, lse
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
     options = {}
-    if variant != "sdpa":
+    if variant == "alibi":  # the ALiBi swap: RoPE replaced by ALiBi biases (attention ctxext_alibi)
+        import ctxext
+
+        ctxext.patch(model, "alibi", length / L0)
+        options = {"slopes": "per head, BLOOM's"}
+    elif variant != "sdpa":
         factor = None if variant == "string" else length / L0
         apply_remap(model, variant, factor, {})
         from ctxext.methods.remap import build_map
