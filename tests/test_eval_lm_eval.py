@@ -102,3 +102,70 @@ def test_ruler_niah_single_1_offline(model_dir, tmp_path, monkeypatch):
     (result_file,) = out.rglob("results*.json")
     results = json.loads(result_file.read_text())["results"]["niah_single_1"]
     assert 0 <= results["512,none"] <= 1
+
+
+# -- RULER tasks on a GGUF model: lm-eval's samples need a tokenizer it can load -----------------------------------
+
+
+def test_ruler_tasks_on_a_gguf_model_get_the_gguf_tokenizer_once(tmp_path, monkeypatch):
+    """lm-eval's RULER builders load ``AutoTokenizer.from_pretrained(pretrained)``, which cannot read a GGUF's
+    tokenizer: for RULER tasks on a GGUF model, ctxext saves that tokenizer once and names it in the metadata."""
+    import transformers
+
+    from ctxext.commands import lm_eval as command
+    from ctxext.reference import reference_tokenizer
+
+    monkeypatch.setenv("CTXEXT_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "m.gguf").write_bytes(b"GGUF stand-in")
+    calls = []
+    tokenizer = reference_tokenizer()  # the GGUF's tokenizer, as transformers would read it
+
+    def from_pretrained(name, **kwargs):
+        calls.append((name, kwargs))
+        return tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    args = {"pretrained": str(tmp_path / "model"), "gguf_file": "m.gguf"}
+    folder = command.ruler_tokenizer(args, "niah_single_1,ruler_vt", {})
+    assert calls == [(str(tmp_path / "model"), {"gguf_file": "m.gguf"})]
+    monkeypatch.undo()  # transformers' own loader again
+    monkeypatch.setenv("CTXEXT_CACHE_DIR", str(tmp_path / "cache"))
+    assert transformers.AutoTokenizer.from_pretrained(folder)("hello").input_ids == tokenizer("hello").input_ids
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    assert command.ruler_tokenizer(args, ["ruler"], {}) == folder and len(calls) == 1  # saved once, reused
+    assert not [p for p in (tmp_path / "cache" / "gguf-tokenizers").iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("args,tasks,metadata", [
+    ({"pretrained": "DIR", "gguf_file": "m.gguf"}, "hellaswag,arc_easy", {}),  # no RULER task
+    ({"pretrained": "DIR"}, "niah_single_1", {}),  # not a GGUF model: lm-eval loads its tokenizer itself
+    ({"pretrained": "DIR", "gguf_file": "m.gguf"}, "niah_single_1", {"tokenizer": "gpt2"}),  # the user's choice
+])
+def test_other_runs_get_no_tokenizer_and_nothing_written(tmp_path, monkeypatch, args, tasks, metadata):
+    from ctxext.commands import lm_eval as command
+
+    monkeypatch.setenv("CTXEXT_CACHE_DIR", str(tmp_path / "cache"))
+    assert command.ruler_tokenizer(args, tasks, metadata) is None
+    assert not (tmp_path / "cache").exists()
+
+
+@pytest.mark.slow
+def test_ruler_niah_single_1_on_the_smollm2_gguf_offline(tmp_path, monkeypatch):
+    """End to end on a real GGUF checkpoint, offline, without --metadata tokenizer=...: it runs and scores."""
+    pytest.importorskip("wonderwords")
+    pytest.importorskip("nltk")
+    from conftest import smollm2_gguf
+
+    from ctxext.cli import main
+
+    gguf = smollm2_gguf()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    out = tmp_path / "out"
+    rc = main(["lm-eval", "--model", "ctxext", "--model_args", f"pretrained={gguf.parent},gguf_file={gguf.name}",
+               "--device", "cpu", "--tasks", "niah_single_1", "--metadata", '{"max_seq_lengths":[512]}',
+               "--limit", "1", "--output_path", str(out), "--batch_size", "1"])
+    assert rc == 0
+    (result_file,) = out.rglob("results*.json")
+    assert 0 <= json.loads(result_file.read_text())["results"]["niah_single_1"]["512,none"] <= 1

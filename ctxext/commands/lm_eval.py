@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 
 from ..compat import lm_eval as lm_eval_compat
@@ -168,6 +169,7 @@ def precheck(parsed) -> None:
     except ImportError:  # pragma: no cover - lm-eval < 0.4.9 has no config object; check what the CLI gave
         model, model_args = getattr(parsed, "model", None), getattr(parsed, "model_args", None) or {}
         tasks, include = parsed.tasks, include
+        metadata = None
     else:
         copy = argparse.Namespace(**{k: dict(v) if isinstance(v, dict) else v for k, v in vars(parsed).items()})
         quiet = io.StringIO()
@@ -182,6 +184,7 @@ def precheck(parsed) -> None:
             logging.disable(disabled)
         model, model_args = cfg.model, cfg.model_args or {}
         tasks, include = cfg.tasks, cfg.include_path
+        metadata = cfg.metadata or {}  # merged: model_args | --metadata (and a --config's)
     if model == "ctxext":
         if isinstance(model_args, str):
             from lm_eval.utils import simple_parse_args_string
@@ -191,6 +194,53 @@ def precheck(parsed) -> None:
         if checked["method"] is not None:
             check_fits(model_args, checked)
     check_tasks(tasks, include)  # last: on a cold cache it indexes lm-eval's task files
+    if model == "ctxext" and metadata is not None and isinstance(model_args, dict):
+        folder = ruler_tokenizer(model_args, tasks, metadata)
+        if folder is not None:
+            parsed.metadata = {**(getattr(parsed, "metadata", None) or {}), "tokenizer": folder}
+
+
+#: lm-eval's RULER tasks and group, which build their samples with a tokenizer of their own
+RULER_TASKS = re.compile(r"^(ruler|niah_|ruler_|qa_squad|qa_hotpot)")
+
+
+def ruler_tokenizer(model_args: dict, tasks, metadata: dict) -> str | None:
+    """lm-eval's RULER tasks build their samples with ``AutoTokenizer.from_pretrained(tokenizer or pretrained)``,
+    which cannot read the tokenizer inside a GGUF file (it fails with "Couldn't instantiate the backend tokenizer").
+    For ``--model ctxext`` with a ``gguf_file``, RULER tasks and no ``tokenizer`` in the metadata, the GGUF's
+    tokenizer is saved once under ctxext's cache (``$CTXEXT_CACHE_DIR/gguf-tokenizers/``, keyed by the file's path,
+    size and time) and its folder returned for the metadata; otherwise None (nothing written)."""
+    import hashlib
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    gguf, pretrained = model_args.get("gguf_file"), model_args.get("pretrained")
+    names = tasks.split(",") if isinstance(tasks, str) else list(tasks or [])
+    if not gguf or not pretrained or metadata.get("tokenizer") or not any(
+            RULER_TASKS.match(str(n).strip()) for n in names):
+        return None
+    path = Path(str(pretrained)).expanduser() / str(gguf)
+    stamp = f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}" if path.is_file() else \
+        f"{pretrained}:{gguf}"
+    folder = _cache_dir() / "gguf-tokenizers" / hashlib.sha256(stamp.encode()).hexdigest()[:16]
+    if not (folder / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(pretrained), gguf_file=str(gguf))
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=folder.parent, prefix=".saving-")  # saved whole, then renamed into place
+        try:
+            tokenizer.save_pretrained(tmp)
+            os.replace(tmp, folder)
+        except OSError:
+            if not (folder / "tokenizer_config.json").is_file():  # not another process saving it first
+                raise
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    print(f"ctxext lm-eval: RULER tasks read the GGUF's tokenizer from {folder} (saved from {gguf}; give "
+          "--metadata tokenizer=... to use another)", file=sys.stderr)
+    return str(folder)
 
 
 def check_fits(model_args: dict, checked: dict) -> None:
