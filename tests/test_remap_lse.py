@@ -261,16 +261,17 @@ def test_the_causal_mask_check_reads_a_new_mask_anew():
 
 # ------------------------------------------------------------------------------- CUDA's fused kernels, emulated
 # No GPU here: the adapter that runs the merge path on CUDA (``compat.torch.cuda_attention_with_lse``) is checked
-# with stand-ins for the two CUDA ops, written from their documented contracts (flash: no mask, equal head counts,
-# log-sum-exp (B, H, L); memory-efficient: a 4D bias whose rows start at multiples of 16, log-sum-exp padded to a
-# multiple of 32 queries), and the real ops' signatures and output shapes on the meta device. tests/test_gpu.py runs
+# with stand-ins for the two CUDA ops, written from their contracts as torch's sources state them (flash: no mask,
+# grouped keys read as they are, log-sum-exp (B, H, L); memory-efficient: as many key/value heads as query heads, a
+# 4D bias whose rows start at multiples of 16, log-sum-exp padded to a multiple of 32 queries), and the real ops' signatures and output shapes on the meta device. tests/test_gpu.py runs
 # the real kernels.
 
 import ctxext.compat.torch as torch_compat  # noqa: E402
 
 
 def _contract_attention(q, k, v, causal, scale, bias=None):
-    assert k.shape[1] == q.shape[1] == v.shape[1], "the CUDA ops get as many key/value heads as query heads"
+    assert q.shape[1] % k.shape[1] == 0 and k.shape[1] == v.shape[1]
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))  # query head h: key head h // rep
     s = (q.double() @ k.double().transpose(-1, -2)) * scale
     if bias is not None:
         s = s + bias.double()
@@ -288,6 +289,7 @@ def _fake_flash(q, k, v, dropout, causal, debug, scale=None):
 
 def _fake_efficient(q, k, v, bias, compute_lse, dropout, causal, scale=None):
     assert compute_lse and dropout == 0.0
+    assert k.shape[1] == q.shape[1] == v.shape[1], "the memory-efficient op wants as many key/value heads as queries"
     if bias is not None:
         assert bias.dim() == 4 and bias.stride(-2) % torch_compat.EFFICIENT_BIAS_ALIGN == 0 and bias.stride(-1) == 1
     out, lse = _contract_attention(q, k, v, causal, scale, bias)

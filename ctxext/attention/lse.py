@@ -23,7 +23,8 @@ log-sum-exp 0 for a row whose keys are all masked, so such rows of a masked call
 
 The CPU kernel takes grouped-query attention natively (key/value heads dividing the query heads, query head h
 reading key head ``h // (heads / kv_heads)``, as transformers' ``repeat_kv`` pairs them), so keys are never expanded
-there (on CUDA each call expands its slice of them). Its
+there (on CUDA the flash kernel reads them as they are; masked and float32 calls, on the memory-efficient
+kernel, expand their slice of them). Its
 log-sum-exp output carries no gradient: callers use this without autograd only (``remap_attention_forward``
 checks). The ops are private: ``available(device)`` allows them only on the torch versions ``ctxext.compat.torch``
 pins (on CUDA none yet: ``CTXEXT_CUDA_LSE=1`` opts in until a GPU run of the ``gpu`` tests records one).

@@ -31,7 +31,8 @@ CUDA_EFFICIENT_OP = "_scaled_dot_product_efficient_attention"
 #: lent when the path was written (signatures and output shapes are checked on the meta device, on CPU). Until a
 #: version is listed, the path runs on CUDA only when ``CTXEXT_CUDA_LSE=1`` asks for it.
 CUDA_FUSED_TESTED: tuple[str, ...] = ()
-#: the memory-efficient kernel reads its bias rows at multiples of this many elements (what sdpa pads masks to)
+#: bias rows are allocated at multiples of this many elements (the memory-efficient kernel needs 8 in half precision
+#: and 4 in float32, what sdpa's ``pad_bias`` gives a mask)
 EFFICIENT_BIAS_ALIGN = 16
 
 
@@ -56,17 +57,19 @@ def cuda_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     """Attention output and each query's log-sum-exp (float32, (batch, heads, q_len)) from CUDA's fused kernels, as
     the CPU flash op gives them: q (batch, heads, q_len, dim), k / v (batch, kv_heads, kv_len, dim), kv_heads
     dividing heads; mask: None or an additive (q_len, kv_len) mask in q's dtype; ``causal`` only for a square call.
-    Grouped keys are expanded (query head h reads key head h // (heads / kv_heads))."""
+    Query head h reads key head h // (heads / kv_heads): flash reads grouped keys as they are; for the
+    memory-efficient op they are expanded. Its bias must be 4D, in q's dtype, rows aligned (``EFFICIENT_BIAS_ALIGN``,
+    a multiple of its 8-element alignment); a row with every key masked comes back as output 0, log-sum-exp 0."""
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError("a causal fused call must be square (the kernels disagree on where a longer diagonal sits)")
     heads, kv_heads = q.shape[1], k.shape[1]
-    if kv_heads != heads:
-        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     dim = q.shape[-1]
     if mask is None and q.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256 \
-            and v.shape[-1] == dim:
+            and v.shape[-1] == dim:  # flash reads grouped keys itself (mha_fwd: heads % kv_heads == 0)
         out = _aten(CUDA_FLASH_OP)(q, k, v, 0.0, causal, False, scale=scale)
         return out[0], out[1]
+    if kv_heads != heads:  # the memory-efficient op wants as many key/value heads as query heads
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     bias = None
     if mask is not None:
         rows, cols = mask.shape[-2:]
