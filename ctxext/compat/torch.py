@@ -40,6 +40,11 @@ def _aten(name: str):
     return getattr(torch.ops.aten, name)
 
 
+def _flash_capable(device: torch.device) -> bool:
+    """CUDA's flash kernel needs compute capability 8.0 (Ampere) or newer; the meta device (tests) passes."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def _version() -> str:
     return ".".join(torch.__version__.split("+")[0].split(".")[:2])
 
@@ -65,7 +70,7 @@ def cuda_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     heads, kv_heads = q.shape[1], k.shape[1]
     dim = q.shape[-1]
     if mask is None and q.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256 \
-            and v.shape[-1] == dim:  # flash reads grouped keys itself (mha_fwd: heads % kv_heads == 0)
+            and v.shape[-1] == dim and _flash_capable(q.device):  # flash reads grouped keys itself
         out = _aten(CUDA_FLASH_OP)(q, k, v, 0.0, causal, False, scale=scale)
         return out[0], out[1]
     if kv_heads != heads:  # the memory-efficient op wants as many key/value heads as query heads
