@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -169,3 +170,40 @@ def test_ruler_niah_single_1_on_the_smollm2_gguf_offline(tmp_path, monkeypatch):
     assert rc == 0
     (result_file,) = out.rglob("results*.json")
     assert 0 <= json.loads(result_file.read_text())["results"]["niah_single_1"]["512,none"] <= 1
+
+
+def test_the_gguf_tokenizer_falls_back_to_a_temporary_folder_when_the_cache_cannot_be_written(tmp_path, monkeypatch):
+    import transformers
+
+    from ctxext.commands import lm_eval as command
+    from ctxext.reference import reference_tokenizer
+
+    blocked = tmp_path / "cache-is-a-file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("CTXEXT_CACHE_DIR", str(blocked))
+    tokenizer = reference_tokenizer()
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
+    folder = command.ruler_tokenizer({"pretrained": "org/model", "gguf_file": "m.gguf", "revision": "v2"},
+                                     [{"task": "niah_single_1"}, "hellaswag,ruler_vt"], {})
+    assert folder is not None and (Path(folder) / "tokenizer_config.json").is_file()
+    assert blocked.read_text() == "not a folder"
+
+
+@pytest.mark.slow
+def test_a_configs_metadata_survives_the_gguf_tokenizer(tmp_path, monkeypatch):
+    """lm-eval replaces a --config's metadata with the command line's: the tokenizer is added to the merged one."""
+    from conftest import smollm2_gguf
+
+    from ctxext.commands import lm_eval as command
+    from ctxext.compat import lm_eval as lm_eval_compat
+    from ctxext.integrations import lm_eval as _registers_model  # noqa: F401
+
+    gguf = smollm2_gguf()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = tmp_path / "run.yaml"
+    config.write_text("metadata:\n  max_seq_lengths: [8192]\n")
+    monkeypatch.setattr("sys.argv", ["lm-eval", "run", "--config", str(config), "--model", "ctxext", "--model_args",
+                                     f"pretrained={gguf.parent},gguf_file={gguf.name}", "--tasks", "niah_single_1"])
+    parsed = lm_eval_compat.harness_cli()().parse_args()
+    command.precheck(parsed)
+    assert parsed.metadata["max_seq_lengths"] == [8192] and Path(parsed.metadata["tokenizer"]).is_dir()

@@ -318,6 +318,9 @@ def _use_lse(pmap, query, key, value, dropout, qpos, kpos, mask) -> bool:
         return False
     if value.shape[-1] != head_dim or (query.device.type == "cuda" and head_dim % 8):
         return False  # CUDA's fused kernels want head dims in multiples of 8 (sdpa pads them; the ops do not)
+    if query.device.type == "cuda" and query.dtype == torch.bfloat16 and \
+            torch.cuda.get_device_capability(query.device) < (8, 0):
+        return False  # bfloat16 kernels need Ampere or newer
     # positions 0 .. T-1 for every row, queries and keys
     expected = torch.arange(q_len, device=query.device)
     if not (bool((qpos == expected).all()) and bool((kpos == expected).all())):

@@ -197,7 +197,8 @@ def precheck(parsed) -> None:
     if model == "ctxext" and metadata is not None and isinstance(model_args, dict):
         folder = ruler_tokenizer(model_args, tasks, metadata)
         if folder is not None:
-            parsed.metadata = {**(getattr(parsed, "metadata", None) or {}), "tokenizer": folder}
+            # the merged metadata (a --config's too: lm-eval lets the command line's replace it whole)
+            parsed.metadata = {**metadata, "tokenizer": folder}
 
 
 #: lm-eval's RULER tasks and group, which build their samples with a tokenizer of their own
@@ -216,28 +217,36 @@ def ruler_tokenizer(model_args: dict, tasks, metadata: dict) -> str | None:
     from pathlib import Path
 
     gguf, pretrained = model_args.get("gguf_file"), model_args.get("pretrained")
-    names = tasks.split(",") if isinstance(tasks, str) else list(tasks or [])
+    names = []
+    for task in ([tasks] if isinstance(tasks, str) else list(tasks or [])):
+        task = task.get("task", "") if isinstance(task, dict) else task  # an inline task config of a --config
+        names += str(task).split(",")
     if not gguf or not pretrained or metadata.get("tokenizer") or not any(
-            RULER_TASKS.match(str(n).strip()) for n in names):
+            RULER_TASKS.match(n.strip()) for n in names):
         return None
+    options = {k: model_args[k] for k in ("revision", "trust_remote_code") if model_args.get(k) is not None}
     path = Path(str(pretrained)).expanduser() / str(gguf)
     stamp = f"{path.resolve()}:{path.stat().st_size}:{path.stat().st_mtime_ns}" if path.is_file() else \
-        f"{pretrained}:{gguf}"
+        f"{pretrained}:{gguf}:{sorted(options.items())}"
     folder = _cache_dir() / "gguf-tokenizers" / hashlib.sha256(stamp.encode()).hexdigest()[:16]
     if not (folder / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(pretrained), gguf_file=str(gguf))
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=folder.parent, prefix=".saving-")  # saved whole, then renamed into place
+        tokenizer = AutoTokenizer.from_pretrained(str(pretrained), gguf_file=str(gguf), **options)
+        tmp = None
         try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            tmp = tempfile.mkdtemp(dir=folder.parent, prefix=".saving-")  # saved whole, then renamed into place
+            os.chmod(tmp, 0o755)  # a shared cache stays readable
             tokenizer.save_pretrained(tmp)
             os.replace(tmp, folder)
         except OSError:
             if not (folder / "tokenizer_config.json").is_file():  # not another process saving it first
-                raise
+                folder = Path(tempfile.mkdtemp(prefix="ctxext-gguf-tokenizer-"))  # an unwritable cache: this run's
+                tokenizer.save_pretrained(folder)
         finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
     print(f"ctxext lm-eval: RULER tasks read the GGUF's tokenizer from {folder} (saved from {gguf}; give "
           "--metadata tokenizer=... to use another)", file=sys.stderr)
     return str(folder)
