@@ -89,6 +89,11 @@ def test_ctxext_lm_eval_command_on_a_local_task(model_dir, tasks, tmp_path, caps
 def test_ruler_niah_single_1_offline(model_dir, tmp_path, monkeypatch):
     """RULER's niah_single_1 builds its haystack locally (repeated text): it runs offline once lm-eval's
     `ruler` extra (wonderwords, nltk) is installed. A random tiny model scores about 0."""
+    assert 0 <= _niah_single_1_at_512(f"pretrained={model_dir},method=yarn,factor=8", 2, tmp_path, monkeypatch) <= 1
+
+
+def _niah_single_1_at_512(model_args: str, limit: int, tmp_path, monkeypatch) -> float:
+    """`ctxext lm-eval` on RULER's niah_single_1 at 512 tokens, offline; its score from the results file."""
     pytest.importorskip("wonderwords")
     pytest.importorskip("nltk")
     from ctxext.cli import main
@@ -96,13 +101,12 @@ def test_ruler_niah_single_1_offline(model_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     out = tmp_path / "out"
-    rc = main(["lm-eval", "--model", "ctxext", "--model_args", f"pretrained={model_dir},method=yarn,factor=8",
-               "--device", "cpu", "--tasks", "niah_single_1", "--metadata", '{"max_seq_lengths":[512]}',
-               "--limit", "2", "--output_path", str(out), "--batch_size", "1"])
+    rc = main(["lm-eval", "--model", "ctxext", "--model_args", model_args, "--device", "cpu", "--tasks",
+               "niah_single_1", "--metadata", '{"max_seq_lengths":[512]}', "--limit", str(limit),
+               "--output_path", str(out), "--batch_size", "1"])
     assert rc == 0
     (result_file,) = out.rglob("results*.json")
-    results = json.loads(result_file.read_text())["results"]["niah_single_1"]
-    assert 0 <= results["512,none"] <= 1
+    return json.loads(result_file.read_text())["results"]["niah_single_1"]["512,none"]
 
 
 # -- RULER tasks on a GGUF model: lm-eval's samples need a tokenizer it can load -----------------------------------
@@ -154,22 +158,11 @@ def test_other_runs_get_no_tokenizer_and_nothing_written(tmp_path, monkeypatch, 
 @pytest.mark.slow
 def test_ruler_niah_single_1_on_the_smollm2_gguf_offline(tmp_path, monkeypatch):
     """End to end on a real GGUF checkpoint, offline, without --metadata tokenizer=...: it runs and scores."""
-    pytest.importorskip("wonderwords")
-    pytest.importorskip("nltk")
     from conftest import smollm2_gguf
 
-    from ctxext.cli import main
-
     gguf = smollm2_gguf()
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    out = tmp_path / "out"
-    rc = main(["lm-eval", "--model", "ctxext", "--model_args", f"pretrained={gguf.parent},gguf_file={gguf.name}",
-               "--device", "cpu", "--tasks", "niah_single_1", "--metadata", '{"max_seq_lengths":[512]}',
-               "--limit", "1", "--output_path", str(out), "--batch_size", "1"])
-    assert rc == 0
-    (result_file,) = out.rglob("results*.json")
-    assert 0 <= json.loads(result_file.read_text())["results"]["niah_single_1"]["512,none"] <= 1
+    score = _niah_single_1_at_512(f"pretrained={gguf.parent},gguf_file={gguf.name}", 1, tmp_path, monkeypatch)
+    assert 0 <= score <= 1
 
 
 def test_the_gguf_tokenizer_falls_back_to_a_temporary_folder_when_the_cache_cannot_be_written(tmp_path, monkeypatch):

@@ -346,3 +346,12 @@ def test_the_cuda_merge_path_is_opt_in_until_a_torch_version_is_recorded(monkeyp
     monkeypatch.setenv("CTXEXT_CUDA_LSE", "1")
     assert lse_attention.available("cuda")
     assert lse_attention.available("cpu") and not lse_attention.available("meta")
+
+
+@pytest.mark.parametrize("capability,bf16", [((7, 5), False), ((8, 0), True), ((9, 0), True)])
+def test_the_kernels_take_bfloat16_on_cuda_only_from_ampere(monkeypatch, capability, bf16):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert lse_attention.accepts("cuda", torch.bfloat16) == bf16
+    assert lse_attention.accepts("cuda", torch.float16) and lse_attention.accepts("cuda", torch.float32)
+    assert lse_attention.accepts("cpu", torch.bfloat16) and not lse_attention.accepts("cpu", torch.float16)
+    assert not lse_attention.accepts("meta", torch.float32)

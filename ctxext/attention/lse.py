@@ -37,6 +37,7 @@ import torch
 
 from ..compat.torch import CPU_FLASH_TESTED as TESTED_TORCH  # the pin lives with the op
 from ..compat.torch import (
+    ampere_or_newer,
     cpu_flash_attention,
     cpu_flash_attention_tested,
     cuda_attention_with_lse,
@@ -68,6 +69,14 @@ def available(device: torch.device | str = "cpu") -> bool:
     if kind == "cpu":
         return cpu_flash_attention_tested()
     return kind == "cuda" and cuda_fused_attention_tested()
+
+
+def accepts(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether the fused kernels on ``device`` take ``dtype`` (``DTYPES``; bfloat16 on CUDA only from Ampere on)."""
+    device = torch.device(device)
+    if dtype not in DTYPES.get(device.type, ()):
+        return False
+    return dtype != torch.bfloat16 or ampere_or_newer(device)
 
 
 def split_attention(queries, keys, value: torch.Tensor, near_start: torch.Tensor, far_keys: int | None,

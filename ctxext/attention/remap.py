@@ -53,7 +53,7 @@ from ..compat import transformers as hf_compat
 from ..methods.remap import PositionMap
 from .features import dropped_features
 from .flex_paths import flex_remap, use_flex
-from .lse import DTYPES as LSE_DTYPES
+from .lse import accepts as lse_accepts
 from .lse import available as lse_available
 from .lse import split_attention
 
@@ -75,8 +75,8 @@ STRATEGY_NOTE = ""
 #: kv_len) on CPU without autograd, dropout, soft-capping or sinks, under a map that declares a ``KeySplit``, runs
 #: as a few fused CPU flash calls per block of queries (near keys, far keys), merged exactly by log-sum-exp, instead
 #: of the chunks below. On CUDA the same calls run on torch's flash / memory-efficient kernels where
-#: ``lse.available("cuda")`` (``CTXEXT_CUDA_LSE=1`` until a torch version is recorded as tested). False turns it off (tests, benchmarks: the "before" of a measurement); every other call
-#: takes the paths below unchanged.
+#: ``lse.available("cuda")`` (``CTXEXT_CUDA_LSE=1`` until a torch version is recorded as tested). False turns it off
+#: (tests, benchmarks: the "before" of a measurement); every other call takes the paths below unchanged.
 LSE_PATH = True
 #: ... only from this many tokens. The path already wins below it (the small benchmark LLaMA, factor 4, 1 thread, whole
 #: forward, path off -> on: 512 tokens 0.72 -> 0.62 s, 1024 1.87 -> 1.43 s, 2048 5.4 -> 3.5 s); the bound keeps
@@ -313,14 +313,10 @@ def _use_lse(pmap, query, key, value, dropout, qpos, kpos, mask) -> bool:
     batch, heads, q_len, head_dim = query.shape
     if q_len != key.shape[2] or q_len < LSE_MIN_LEN:
         return False
-    dtypes = LSE_DTYPES.get(query.device.type, ())
-    if query.dtype not in dtypes or key.dtype != query.dtype or value.dtype != query.dtype:
+    if not lse_accepts(query.device, query.dtype) or key.dtype != query.dtype or value.dtype != query.dtype:
         return False
     if value.shape[-1] != head_dim or (query.device.type == "cuda" and head_dim % 8):
         return False  # CUDA's fused kernels want head dims in multiples of 8 (sdpa pads them; the ops do not)
-    if query.device.type == "cuda" and query.dtype == torch.bfloat16 and \
-            torch.cuda.get_device_capability(query.device) < (8, 0):
-        return False  # bfloat16 kernels need Ampere or newer
     # positions 0 .. T-1 for every row, queries and keys
     expected = torch.arange(q_len, device=query.device)
     if not (bool((qpos == expected).all()) and bool((kpos == expected).all())):

@@ -40,8 +40,9 @@ def _aten(name: str):
     return getattr(torch.ops.aten, name)
 
 
-def _flash_capable(device: torch.device) -> bool:
-    """CUDA's flash kernel needs compute capability 8.0 (Ampere) or newer; the meta device (tests) passes."""
+def ampere_or_newer(device: torch.device) -> bool:
+    """Compute capability 8.0 or newer, what CUDA's flash kernel and every bfloat16 kernel need; devices other than
+    CUDA (the meta device in tests) pass."""
     return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 0)
 
 
@@ -70,7 +71,7 @@ def cuda_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     heads, kv_heads = q.shape[1], k.shape[1]
     dim = q.shape[-1]
     if mask is None and q.dtype in (torch.float16, torch.bfloat16) and dim % 8 == 0 and dim <= 256 \
-            and v.shape[-1] == dim and _flash_capable(q.device):  # flash reads grouped keys itself
+            and v.shape[-1] == dim and ampere_or_newer(q.device):  # flash reads grouped keys itself
         out = _aten(CUDA_FLASH_OP)(q, k, v, 0.0, causal, False, scale=scale)
         return out[0], out[1]
     if kv_heads != heads:  # the memory-efficient op wants as many key/value heads as query heads
@@ -114,5 +115,5 @@ def raised_recompile_limit(limit: int | None):
 
 
 __all__ = ["CPU_FLASH_OP", "CPU_FLASH_TESTED", "CUDA_EFFICIENT_OP", "CUDA_FLASH_OP", "CUDA_FUSED_TESTED",
-           "cpu_flash_attention", "cpu_flash_attention_tested", "cuda_attention_with_lse", "cuda_fused_attention_tested",
-           "raised_recompile_limit"]
+           "ampere_or_newer", "cpu_flash_attention", "cpu_flash_attention_tested", "cuda_attention_with_lse",
+           "cuda_fused_attention_tested", "raised_recompile_limit"]
