@@ -61,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     from ctxext.cli import main as ctxext_main
 
     eval_args = ["eval", *source, "--device", args.device, "--dtype", args.dtype, "--lengths", args.lengths,
-                 "--tasks", args.tasks, "--task-samples", str(args.samples), "--key-tokens",
+                 "--tasks", args.tasks, "--task-samples", str(args.samples),
                  "--max-tokens", str(args.max_tokens), "--output", str(args.out.with_suffix(".json")),
                  "--plot", str(args.out.with_suffix(".png")), "--no-progress"]
+    eval_args += ["--key-tokens"] if "ppl" in args.tasks.split(",") else []  # key tokens are a perplexity
     eval_args += ["--methods", args.methods] if args.methods else []
     eval_args += ["--resume"] if args.resume else []
     eval_args += ["--overwrite"] if args.overwrite else []
