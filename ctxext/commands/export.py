@@ -58,10 +58,13 @@ def _options(method: str, pairs: list[str] | None) -> dict[str, str]:
 
 def _check_out(out: Path, source: str, overwrite: bool) -> None:
     from ..export import is_export_folder
-    from ..core.outputs import check_replaceable_folder
+    from ..core.outputs import check_replaceable_folder, never_replaced
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder")
+    reason = never_replaced(out) if overwrite else None
+    if reason:  # said before the check below, which every folder holding the model (/ included) would meet first
+        raise ValueError(f"--out {out} is {reason}; ctxext never replaces it: give a new folder")
     source_path = Path(source).expanduser()
     if source_path.exists() and out.resolve() in (source_path.resolve(), *source_path.resolve().parents):
         raise ValueError(f"--out {out} would overwrite the model it exports ({source}); choose another folder")

@@ -74,6 +74,12 @@ def _protected(folder: Path, inputs: tuple[Path, ...]) -> str | None:
     return None
 
 
+def never_replaced(folder: str | os.PathLike) -> str | None:
+    """Why ``folder`` is one that ``--overwrite`` never removes whatever it holds (the filesystem root, the home
+    folder, the working directory or a parent of it), or None."""
+    return _protected(Path(folder).expanduser().resolve(), ())
+
+
 def check_replaceable_folder(out: str | os.PathLike, flag: str, *, is_ours: Callable[[Path], bool],
                              inputs: tuple[str | os.PathLike, ...] = (), what: str = "a ctxext output") -> None:
     """Raise ValueError unless ``--overwrite`` may remove the existing folder ``out``: ctxext wrote it
