@@ -10,7 +10,7 @@ at all or a copy tied to one fixed distance (a positional head, which no trainin
 method can only carry a copy that looks the source up by content, at any distance: an induction head.
 
 This script trains the reference LLaMA's shape from scratch (hidden 192, 4 layers, 6 heads of 32, 3 KV heads,
-rope_theta 10000, 128 tokens, 16 rows a step, AdamW lr 3e-3 with the reference recipe's warm-up and cosine decay)
+rope_theta 10000, 128 tokens, ``--batch`` rows a step (16), AdamW lr 3e-3 with the reference recipe's warm-up and cosine decay)
 on a mix of Austen windows and *repeated random rows*: a separator, then a random sequence of p tokens (p drawn per
 row from ``--period``) repeated to the end of the row, labelled after its first period. Because p varies, the only
 way to lower the loss on those rows is to find the earlier occurrence of the current token by content and copy its
@@ -35,7 +35,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ctxext import reference
 
-LENGTH, BATCH, WARMUP = 128, 16, 40
+LENGTH, WARMUP = 128, 40
 
 
 def repeated_rows(n: int, gen: torch.Generator, period: tuple[int, int], ids: tuple[int, int]):
@@ -63,20 +63,21 @@ def text_rows(stream: torch.Tensor, n: int, gen: torch.Generator):
 @torch.no_grad()
 def probes(model, stream: torch.Tensor, ids: tuple[int, int], n: int = 32) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1234)
+    device = next(model.parameters()).device
     model.eval()
     out = {}
     for name, p in (("d64", 63), ("d16", 16)):
         rows, targets = repeated_rows(n, gen, (p, p), ids)
         if name == "d64":  # one repeat only
             rows, targets = rows[:, : 2 * p + 1], targets[:, : 2 * p + 1]
-        pred = model(rows).logits.argmax(-1)
+        pred = model(rows.to(device)).logits.argmax(-1).cpu()
         keep = targets != -100
         out[name] = round(float((pred[keep] == targets[keep]).float().mean()), 3)
     windows, _ = text_rows(stream, n, gen)
     x = torch.randint(ids[0], ids[1], (n, 16), generator=gen)
     windows[:, 4:20] = x
     windows[:, LENGTH - 17 : LENGTH - 1] = x
-    pred = model(windows).logits.argmax(-1)[:, LENGTH - 17 : LENGTH - 2]
+    pred = model(windows.to(device)).logits.argmax(-1).cpu()[:, LENGTH - 17 : LENGTH - 2]
     out["far"] = round(float((pred == windows[:, LENGTH - 16 : LENGTH - 1]).float().mean()), 3)
     model.train()
     return out
@@ -85,6 +86,8 @@ def probes(model, stream: torch.Tensor, ids: tuple[int, int], n: int = 32) -> di
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=2500)
+    p.add_argument("--batch", type=int, default=16, help="rows of 128 tokens per step (default 16, as measured)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--synthetic", type=float, default=0.5, help="share of each batch's rows that are repeated rows")
     p.add_argument("--period", default="4,48", help="shortest,longest repeated sequence (tokens)")
     p.add_argument("--ids", default="100,4096", help="token ids of the random sequences, [lo, hi)")
@@ -104,23 +107,23 @@ def main(argv: list[str] | None = None) -> int:
     config = LlamaConfig(vocab_size=4096, hidden_size=192, intermediate_size=576, num_hidden_layers=4,
                          num_attention_heads=6, num_key_value_heads=3, head_dim=32, max_position_embeddings=LENGTH,
                          rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).to(args.device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     decay = max(1, args.steps - WARMUP)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / WARMUP if s < WARMUP else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - WARMUP) / decay)))
     gen = torch.Generator().manual_seed(args.seed + 1)
-    n_synthetic = int(round(BATCH * args.synthetic))
+    n_synthetic = int(round(args.batch * args.synthetic))
     log = args.out.with_suffix(".jsonl")
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     start = time.time()
     for step in range(1, args.steps + 1):
-        parts = [text_rows(stream, BATCH - n_synthetic, gen)]
+        parts = [text_rows(stream, args.batch - n_synthetic, gen)]
         if n_synthetic:
             parts.append(repeated_rows(n_synthetic, gen, period, ids))
-        rows = torch.cat([r for r, _ in parts])
-        targets = torch.cat([t for _, t in parts])
+        rows = torch.cat([r for r, _ in parts]).to(args.device)
+        targets = torch.cat([t for _, t in parts]).to(args.device)
         logits = model(rows).logits.float()
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
         opt.zero_grad()
