@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     log.write_text("")
     start = time.time()
     for step in range(1, args.steps + 1):
-        parts = [text_rows(stream, args.batch - n_synthetic, gen)]
+        parts = [text_rows(stream, args.batch - n_synthetic, gen)] if n_synthetic < args.batch else []
         if n_synthetic:
             parts.append(repeated_rows(n_synthetic, gen, period, ids))
         rows = torch.cat([r for r, _ in parts]).to(args.device)

@@ -257,3 +257,44 @@ def test_patched_model_on_the_cuda_merge_path_equals_the_chunked_path(cuda_merge
         monkeypatch.setattr(remap_attention, "LSE_PATH", False)
         slow = model(ids).logits
     torch.testing.assert_close(fast, slow, atol=1e-4, rtol=0)
+
+
+# ----------------------------------------------------- flash-attn, where installed (ctxext.attention.optional_kernels)
+
+
+@pytest.fixture
+def flash_attn_installed():
+    from ctxext.attention import optional_kernels
+
+    pytest.importorskip("flash_attn")
+    probe = torch.zeros(1, 2, 8, 64, dtype=torch.bfloat16, device=CUDA)
+    if not optional_kernels.usable(probe, probe, probe):
+        pytest.skip(f"flash-attn is older than {optional_kernels.MIN_VERSION} or does not load on this device")
+    return optional_kernels
+
+
+@pytest.mark.parametrize("causal,q_len,kv_len", [(True, 257, 257), (False, 100, 300)])
+def test_flash_attn_output_and_log_sum_exp_equal_torchs_kernels(flash_attn_installed, monkeypatch, causal, q_len,
+                                                                kv_len):
+    from ctxext.compat.torch import cuda_attention_with_lse
+
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 8, q_len, 64, generator=g).bfloat16().to(CUDA)
+    k, v = (torch.randn(2, 4, kv_len, 64, generator=g).bfloat16().to(CUDA) for _ in range(2))
+    out, lse = flash_attn_installed.attention_with_lse(q, k, v, causal, 0.125)
+    ref_out, ref_lse = cuda_attention_with_lse(q, k, v, causal, 0.125)
+    torch.testing.assert_close(lse.float(), ref_lse.float(), atol=1e-2, rtol=0)
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-2, rtol=0)
+
+
+def test_alibi_swap_through_flash_attn_stays_within_rounding(flash_attn_installed, monkeypatch):
+    from ctxext.attention import optional_kernels
+
+    calls = []
+    real = optional_kernels.alibi_attention
+    monkeypatch.setattr(optional_kernels, "alibi_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = _bf16_rounded(tiny_llama())
+    ids = _ids(300)
+    exact = _logits(ctxext.patch(copy.deepcopy(model), "alibi", factor=4), ids)
+    half = _logits(ctxext.patch(copy.deepcopy(model).to(CUDA, torch.bfloat16), "alibi", factor=4), ids)
+    assert calls and _gap(half, exact) <= BF16_SLACK * _bf16_budget(model, ids)

@@ -11,7 +11,9 @@ The function adds the ALiBi bias ``-slope_h * (i - j)`` to the attention scores 
 sequence: the bias depends only on key - query, so a chunk of queries sees it as a strided view of one vector per
 head (no copy); each chunk only sees the keys up to its last query (the rest are causally masked anyway), so the work
 stays close to that of causal attention. Only when a padding mask must be merged in (or on a GPU, whose kernels
-may copy a strided mask) is a chunk's bias materialised, at most ``CHUNK_BYTES`` at a time.
+may copy a strided mask) is a chunk's bias materialised, at most ``CHUNK_BYTES`` at a time. On CUDA in half precision,
+where flash-attn is installed, a call without padding is one ``flash_attn_func(alibi_slopes=)`` call instead
+(``ctxext.attention.optional_kernels``).
 
 Positions are indices in the key/value sequence: with a dynamic cache (and without one) the queries are the last
 ``q_len`` of the ``kv_len`` keys. Only key-position differences matter (softmax ignores a constant per query row),
@@ -27,6 +29,7 @@ from torch import nn
 from ..compat import transformers as hf_compat
 from ..methods.alibi import alibi_slopes
 from .features import dropped_features
+from . import optional_kernels
 from .flex_paths import flex_alibi, use_flex
 
 ALIBI = "ctxext_alibi"
@@ -125,6 +128,9 @@ def alibi_attention_forward(
         # with a mask (padding, or a cache), the queries are the last q_len keys; a static cache's unused slots
         # are masked, and the resulting per-row offset of the bias does not change the softmax
         q_start = kv_len - q_len
+    if attention_mask is None and q_start == kv_len - q_len and optional_kernels.usable(query, key, value):
+        # flash-attn, where installed: its bottom-right ALiBi is this bias with the queries as the last keys
+        return optional_kernels.alibi_attention(query, key, value, _slopes(heads, query.device), scaling, dropout), None
     if use_flex(query, dropout, key, value):  # a prefill / full pass on CUDA: one block-sparse flex call
         mask = None if attention_mask is None else attention_mask[:, 0]
         out = flex_alibi(query, key, value, _slopes(heads, query.device), q_start, mask, scaling)

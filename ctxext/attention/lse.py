@@ -24,7 +24,8 @@ log-sum-exp 0 for a row whose keys are all masked, so such rows of a masked call
 The CPU kernel takes grouped-query attention natively (key/value heads dividing the query heads, query head h
 reading key head ``h // (heads / kv_heads)``, as transformers' ``repeat_kv`` pairs them), so keys are never expanded
 there (on CUDA the flash kernel reads them as they are; masked and float32 calls, on the memory-efficient
-kernel, expand their slice of them). Its
+kernel, expand their slice of them; where flash-attn is installed, the mask-free calls in half precision go through
+it: ``ctxext.attention.optional_kernels``). Its
 log-sum-exp output carries no gradient: callers use this without autograd only (``remap_attention_forward``
 checks). The ops are private: ``available(device)`` allows them only on the torch versions ``ctxext.compat.torch``
 pins (on CUDA none yet: ``CTXEXT_CUDA_LSE=1`` opts in until a GPU run of the ``gpu`` tests records one).
@@ -43,6 +44,7 @@ from ..compat.torch import (
     cuda_attention_with_lse,
     cuda_fused_attention_tested,
 )
+from . import optional_kernels
 
 #: most query rows per block
 BLOCK = 1024
@@ -56,6 +58,8 @@ DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.float32, torch.
 
 def _attend(q, k, v, causal: bool, scale: float, mask=None):
     """One fused call: (output, log-sum-exp) of q over k / v, causal (square, top-left) or with an additive mask."""
+    if mask is None and optional_kernels.usable(q, k, v):  # flash-attn, where installed
+        return optional_kernels.attention_with_lse(q, k, v, causal, scale)
     if q.device.type == "cuda":
         return cuda_attention_with_lse(q, k, v, causal, scale, mask)
     out = cpu_flash_attention()(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
