@@ -12,8 +12,8 @@ export PYTHONPATH=.
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" \
   | tee -a "$OUT/gpu.txt"
-echo "== gpu tests: the merge path on CUDA's fused kernels"
-timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "merge_path or cuda_kernels" 2>&1 \
+echo "== gpu tests: the merge path on CUDA's fused kernels (and flash-attn where installed)"
+timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_gpu.py -k "merge_path or cuda_kernels or flash_attn" 2>&1 \
   | tail -40 | tee "$OUT/gpu_tests_merge_path.txt"
 echo "== cost, small benchmark LLaMA, merge path"
 timeout 240 python3 benchmarks/bench_gpu.py --remap-path lse --lengths 32768,131072 --runs 3 \
