@@ -274,8 +274,7 @@ def flash_attn_installed():
 
 
 @pytest.mark.parametrize("causal,q_len,kv_len", [(True, 257, 257), (False, 100, 300)])
-def test_flash_attn_output_and_log_sum_exp_equal_torchs_kernels(flash_attn_installed, monkeypatch, causal, q_len,
-                                                                kv_len):
+def test_flash_attn_output_and_log_sum_exp_equal_torchs_kernels(flash_attn_installed, causal, q_len, kv_len):
     from ctxext.compat.torch import cuda_attention_with_lse
 
     g = torch.Generator().manual_seed(2)

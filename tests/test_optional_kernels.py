@@ -58,14 +58,20 @@ def flash(monkeypatch):
     return stand_in
 
 
-def test_not_used_where_missing_turned_off_or_on_cpu(monkeypatch):
-    q = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16)
-    assert not optional_kernels.usable(q, q, q)  # a CPU tensor
-    monkeypatch.setattr(optional_kernels, "_function", lambda: None)
-    meta = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16, device="meta")
-    assert not optional_kernels.usable(meta, meta, meta)
+def test_enabled_only_where_installed_and_not_turned_off(monkeypatch):
+    monkeypatch.setattr(optional_kernels, "_function", lambda: StandIn())
+    assert optional_kernels.enabled()
     monkeypatch.setenv("CTXEXT_FLASH_ATTN", "0")
-    assert not optional_kernels.usable(meta, meta, meta)
+    assert not optional_kernels.enabled()
+    monkeypatch.delenv("CTXEXT_FLASH_ATTN")
+    monkeypatch.setattr(optional_kernels, "_function", lambda: None)  # missing, too old, or failing to import
+    assert not optional_kernels.enabled()
+
+
+def test_not_used_on_cpu_even_where_enabled(monkeypatch):
+    monkeypatch.setattr(optional_kernels, "_function", lambda: StandIn())
+    q = torch.zeros(1, 2, 4, 8, dtype=torch.bfloat16)
+    assert optional_kernels.enabled() and not optional_kernels.usable(q, q, q)
 
 
 @pytest.mark.parametrize("causal,q_len,kv_len", [(True, 40, 40), (False, 40, 70), (False, 1, 33)])

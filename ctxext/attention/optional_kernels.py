@@ -26,6 +26,8 @@ import os
 
 import torch
 
+from ..compat.torch import ampere_or_newer
+
 #: the oldest flash-attn whose ``flash_attn_func`` takes ``alibi_slopes`` and returns the log-sum-exp as above
 MIN_VERSION = (2, 4)
 DTYPES = (torch.float16, torch.bfloat16)
@@ -44,13 +46,19 @@ def _function():
         return None
 
 
-def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """flash-attn is installed, not turned off, and takes these tensors ((batch, heads, len, dim) layouts)."""
+def enabled() -> bool:
+    """flash-attn is installed (``MIN_VERSION`` or newer, importable) and ``CTXEXT_FLASH_ATTN=0`` does not turn it off."""
     if os.environ.get("CTXEXT_FLASH_ATTN", "").strip().lower() in ("0", "false", "off", "no"):
         return False
+    return _function() is not None
+
+
+def usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """flash-attn is enabled and takes these tensors ((batch, heads, len, dim) layouts). The device is checked first:
+    on CPU this runs once per fused call of the merge path."""
     return (q.device.type == "cuda" and q.dtype in DTYPES and k.dtype == v.dtype == q.dtype
             and q.shape[-1] == k.shape[-1] == v.shape[-1] <= MAX_HEAD_DIM and q.shape[1] % k.shape[1] == 0
-            and torch.cuda.get_device_capability(q.device) >= (8, 0) and _function() is not None)
+            and ampere_or_newer(q.device) and enabled())
 
 
 def attention_with_lse(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,4 +79,4 @@ def alibi_attention(q, k, v, slopes: torch.Tensor, scale: float | None, dropout:
                        softmax_scale=scale, causal=True, alibi_slopes=slopes.float())
 
 
-__all__ = ["MIN_VERSION", "alibi_attention", "attention_with_lse", "usable"]
+__all__ = ["MIN_VERSION", "alibi_attention", "attention_with_lse", "enabled", "usable"]
