@@ -133,14 +133,21 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, replace
                 "call ctxext.unpatch(model) first or pass replace=True"
             )
         spec, adapter = _spec_for_replace(model, method, factor, options)
+        replaced = getattr(model, _ACTIVE).spec
         unpatch(model)
     else:
         take_saved_spec(model)  # a spec saved in config but not applied: start from the original length
         spec, adapter = build_spec(model, method, factor, **options)
+        replaced = None
 
     config = model.config
     config_before = {adapter.length_attr: getattr(config, adapter.length_attr, _MISSING)} if adapter.length_attr else {}
-    restore = adapter.apply(model, spec)
+    try:
+        restore = adapter.apply(model, spec)
+    except BaseException:  # apply leaves the model as it found it; a replaced patch goes back on
+        if replaced is not None:
+            patch(model, replaced.method, replaced.factor, **replaced.options)
+        raise
     from .export import install_save_hook  # imports this module
 
     restore = functools.partial(run_all, [restore, install_save_hook(model)])

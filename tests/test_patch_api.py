@@ -112,7 +112,46 @@ BAD_INPUTS = [
     (("pi", 4), {"beta_fast": 3}, r"unknown option\(s\) beta_fast for method 'pi'; accepted: none"),
     (("yarn", 4), {"beta_fast": "fast"}, r"option 'beta_fast' of method 'yarn' must be a number"),
     ((None, 4), {}, r"method must be a string"),
+    # ranges the formulas need (a log of a rotation count, a division by the factors' gap, a positive temperature)
+    (("yarn", 4), {"beta_fast": -1}, r"beta_fast and beta_slow of method 'yarn' .* must be > 0"),
+    (("yarn", 4), {"beta_fast": 0}, r"must be > 0"),
+    (("yarn", 4), {"beta_fast": 1, "beta_slow": 32}, r"beta_fast of method 'yarn' must be greater than beta_slow"),
+    (("yarn", 4), {"attention_factor": 0.0}, r"attention_factor of method 'yarn' must be > 0"),
+    (("yarn", 4), {"mscale": -1}, r"mscale of method 'yarn' must be >= 0"),
+    (("llama3", 4), {"low_freq_factor": 0}, r"0 < low_freq_factor < high_freq_factor"),
+    (("llama3", 4), {"low_freq_factor": 4, "high_freq_factor": 1}, r"0 < low_freq_factor < high_freq_factor"),
 ]
+
+
+@pytest.mark.parametrize("args,options,message", BAD_INPUTS)
+def test_a_bad_replacement_keeps_the_patch_in_place(llama, ids, args, options, message):
+    ctxext.patch(llama, "pi", 2)
+    logits, config = _state(llama, ids)
+    with pytest.raises(PatchError, match=message):
+        ctxext.patch(llama, *args, replace=True, **options)
+    assert torch.equal(llama(ids).logits, logits)
+    assert llama.config.to_dict() == config
+    assert ctxext.describe(llama)["method"] == "pi"
+
+
+def test_a_replacement_that_fails_while_applied_puts_the_replaced_patch_back(llama, ids, monkeypatch):
+    from ctxext.adapters import find_adapter
+
+    ctxext.patch(llama, "pi", 2)
+    logits, config = _state(llama, ids)
+    adapter = type(find_adapter(llama))
+    real = adapter.apply
+
+    def fail_once(self, model, spec):  # an error inside apply, after the old patch came off
+        monkeypatch.setattr(adapter, "apply", real)
+        raise RuntimeError("apply failed")
+
+    monkeypatch.setattr(adapter, "apply", fail_once)
+    with pytest.raises(RuntimeError, match="apply failed"):
+        ctxext.patch(llama, "yarn", 4, replace=True)
+    assert ctxext.describe(llama)["method"] == "pi"
+    assert torch.equal(llama(ids).logits, logits)
+    assert llama.config.to_dict() == config
 
 
 @pytest.mark.parametrize("args,options,message", BAD_INPUTS)

@@ -83,6 +83,9 @@ class Method:
     position_map: Callable[..., Any] | None = None
     #: transformers' own form of the method on rotary models (None: none).
     native: NativeRope | None = None
+    #: ``(resolved options) -> None``, raising PatchError: ranges and relations between options that a type alone
+    #: does not say (checked with the options, before anything changes).
+    check_options: Callable[[dict], None] | None = None
 
     @property
     def described_as_table(self) -> str:

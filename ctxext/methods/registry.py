@@ -132,6 +132,8 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
         else:
             value = _coerce(method.name, key, value, opt.kind)
         resolved[key] = value
+    if method.check_options is not None:
+        method.check_options(resolved)
     return {**resolved, **extra}
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.errors import PatchError
 from .declaration import Kind, Method, NativeRope, Option
 
 
@@ -149,6 +150,33 @@ def yarn(
     return _scaled(r, multiplier), float(attention_factor)
 
 
+def check_yarn_options(options: dict) -> None:
+    """Ranges the formulas need: rotation counts above 0 (their logarithm is taken) with beta_fast above beta_slow,
+    and an attention factor and mscales that keep the attention temperature positive (0 = uniform attention)."""
+    fast, slow = options["beta_fast"], options["beta_slow"]
+    if fast <= 0 or slow <= 0:
+        raise PatchError(f"options beta_fast and beta_slow of method 'yarn' are rotation counts over the original "
+                         f"length and must be > 0, got beta_fast={fast}, beta_slow={slow}")
+    if fast <= slow:
+        raise PatchError(f"option beta_fast of method 'yarn' must be greater than beta_slow (dimensions rotating more "
+                         f"than beta_fast times are kept, fewer than beta_slow interpolated), got beta_fast={fast}, "
+                         f"beta_slow={slow}")
+    if options["attention_factor"] is not None and options["attention_factor"] <= 0:
+        raise PatchError(f"option attention_factor of method 'yarn' must be > 0 (it scales every attention logit), "
+                         f"got {options['attention_factor']}")
+    for key in ("mscale", "mscale_all_dim"):
+        if options[key] is not None and options[key] < 0:
+            raise PatchError(f"option {key} of method 'yarn' must be >= 0 (0: off), got {options[key]}")
+
+
+def check_llama3_options(options: dict) -> None:
+    low, high = options["low_freq_factor"], options["high_freq_factor"]
+    if low <= 0 or high <= low:
+        raise PatchError(f"options of method 'llama3' must satisfy 0 < low_freq_factor < high_freq_factor "
+                         f"(wavelengths above L/low are interpolated, below L/high kept), got low_freq_factor={low}, "
+                         f"high_freq_factor={high}")
+
+
 def llama3(
     r: RopeInputs, factor: float, low_freq_factor: float = 1.0, high_freq_factor: float = 4.0
 ) -> tuple[torch.Tensor, float]:
@@ -193,7 +221,7 @@ YARN = Method(
         "mscale_all_dim": Option(None, float, "DeepSeek-style mscale denominator", optional=True),
         "truncate": Option(True, bool, "round the ramp bounds to whole dimensions"),
     },
-    rule="NTK-by-parts + mscale", table_rule="NTK-by-parts, x mscale", frequencies=yarn,
+    rule="NTK-by-parts + mscale", table_rule="NTK-by-parts, x mscale", frequencies=yarn, check_options=check_yarn_options,
     native=NativeRope("yarn", ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim", "truncate"),
                       names_original_length=True),
 )
@@ -204,6 +232,7 @@ LLAMA3 = Method(
         "high_freq_factor": Option(4.0, float, "wavelengths below L0/high are kept"),
     },
     rule="Llama 3.1 by wavelength", table_rule="Llama 3.1 frequencies", frequencies=llama3,
+    check_options=check_llama3_options,
     native=NativeRope("llama3", ("low_freq_factor", "high_freq_factor"), names_original_length=True),
 )
 EXTRAPOLATE = Method(
