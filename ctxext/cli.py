@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from .core.errors import PatchError
 
@@ -30,17 +32,37 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, ``timeout``, a scheduler's preemption) handled as Ctrl-C is: cleanup runs, the output lock
+    goes, finished rows and checkpoints stay."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # Python's default for SIGTERM ends the process without running any cleanup; a handler someone else set is kept
+    own_sigterm = (threading.current_thread() is threading.main_thread()
+                   and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+    if own_sigterm:
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return int(args.func(args) or 0)
     except (PatchError, FileNotFoundError, OSError, ValueError) as exc:
         # Bad input: one clear line, no traceback.
         print(f"ctxext {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except Terminated:
+        print(f"ctxext {args.command}: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print(f"ctxext {args.command}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if own_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -117,3 +117,27 @@ def test_overwrite_keeps_the_old_result_until_a_new_row_exists(llama_dir, tmp_pa
     assert main(args[:-4] + ["--lengths", "48", "--output", str(out), "--overwrite"]) == 0
     assert [r["length"] for r in json.loads(out.read_text())["results"]] == [48]
     assert [r.get("length") for r in _lines(out.with_suffix(".jsonl"))] == [None, 48]
+
+
+def test_sigterm_keeps_finished_rows_and_removes_the_lock(llama_dir, reference, tmp_path, capsys):
+    """`kill` / `timeout` send SIGTERM: handled as Ctrl-C (the lock file goes, the rows stay), then --resume."""
+    out = tmp_path / "r.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                   os.environ.get("PYTHONPATH")])))
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_EVAL, "eval", "--model", str(llama_dir), *ARGS,
+                             "--output", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    jsonl = out.with_suffix(".jsonl")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if jsonl.exists() and jsonl.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    err = proc.communicate(timeout=60)[1].decode()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "terminated" in err
+    assert not (tmp_path / ".r.json.ctxext-lock").exists()
+    written = jsonl.read_text().count("\n") - 1
+    assert 2 <= written < ROWS
+    assert main(["eval", "--model", str(llama_dir), *ARGS, "--output", str(out), "--resume"]) == 0
+    assert _scores(json.loads(out.read_text())["results"]) == pytest.approx(reference)

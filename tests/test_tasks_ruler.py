@@ -150,9 +150,12 @@ def test_fwe_answers_are_the_second_to_fourth_most_frequent(src, tokenizer):
 
 
 def test_too_short_a_length_is_refused_with_the_need(src):
-    with pytest.raises(ValueError, match=r"niah_multiquery needs more than 200 tokens with this tokenizer .*\(\d+ at "
-                       r"least"):
+    with pytest.raises(ValueError, match=r"niah_multiquery needs about \d+ tokens or more with this tokenizer, got 200"
+                       ) as info:
         check_length("niah_multiquery", src, 200)
+    need = int(re.search(r"needs about (\d+)", str(info.value)).group(1))
+    assert need > 200  # the length it names is one the task fits (give or take a sample's keys)
+    check_length("niah_multiquery", src, need + 32)
 
 
 def _shortest_checked(src, name: str) -> int:
@@ -192,6 +195,17 @@ def test_unpunctuated_text_still_offers_boundaries_near_each_depth(tokenizer):
     for depth in (0.1, 0.5, 0.9):
         sample = generate(TASKS["niah_single_2"], plain, 2048, seed=0, depth=depth)
         assert abs(sample.depth - depth) < 0.05
+
+
+@pytest.mark.parametrize("text", [
+    "\u6211\u4eec\u4eca\u5929\u53bb\u516c\u56ed\u6563\u6b65\u5929\u6c14\u5f88\u597d\u3002" * 3000,  # Chinese, full stops
+    "\u6211\u4eec\u4eca\u5929\u53bb\u516c\u56ed\u6563\u6b65\u5929\u6c14\u5f88\u597d" * 3000,  # no punctuation, no space
+], ids=["full stops", "unpunctuated"])
+def test_text_without_spaces_still_offers_boundaries_near_each_depth(tokenizer, text):
+    unspaced = sources(Encoder(tokenizer, chat_template=False), [text])
+    for depth in (0.25, 0.5, 0.75):
+        sample = generate(TASKS["niah_single_2"], unspaced, 512, seed=0, depth=depth)
+        assert abs(sample.depth - depth) < 0.1  # not the whole haystack as one unit (depth 0 or 1 only)
 
 
 def test_chat_template_wraps_the_task_and_prefills_the_answer_prefix(tokenizer, text):
@@ -252,3 +266,11 @@ def test_oracle_scores_full_marks_and_nothing_once_the_needle_is_left_out(src, t
     monkeypatch.setattr(ruler, "insert_at_depths", lambda ids, starts, pieces: (ids, [0.0] * len(pieces)))
     row = task_accuracy(model, src, name, 1024, samples=6, depths=(0.0, 0.5, 1.0), progress=False)
     assert row["accuracy"] == 0.0
+
+
+@pytest.mark.parametrize("kwargs, said", [({"samples": 0}, "samples must be at least 1"),
+                                          ({"depths": ()}, "between 0 and 1"),
+                                          ({"depths": (0.5, 1.5)}, "between 0 and 1")])
+def test_task_accuracy_refuses_bad_samples_and_depths(src, kwargs, said):
+    with pytest.raises(ValueError, match=said):
+        task_accuracy(None, src, "niah_single_1", 1024, progress=False, **kwargs)  # before any model call

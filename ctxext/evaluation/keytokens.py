@@ -57,6 +57,21 @@ def _windows_over(n: int, length: int, stride: int, ranges: Sequence[tuple[int, 
     return [w for w in windows if any(w.first_target < hi and lo < w.end for lo, hi in ranges)]
 
 
+def key_contexts(context: int | None, short: int | None) -> tuple[int, int]:
+    """The (long, short) contexts key tokens are found with: ``short`` defaults to ``context // 8``. A long context
+    with no shorter one below it, or a short one not below the long, is refused with what to give instead."""
+    if not context:
+        raise ValueError("the key-token evaluator advertises no context length; give --key-context")
+    if context < 2:
+        raise ValueError(f"a key-token long context of {context} token leaves no shorter context to compare with; "
+                         "give --key-context of at least 2")
+    short = short or max(1, context // SHORT_FRACTION)
+    if not 1 <= short < context:
+        raise ValueError(f"the key-token short context (--key-short {short}) must be shorter than the long context "
+                         f"{context} (--key-context, default: the evaluator's trained length)")
+    return context, short
+
+
 @torch.no_grad()
 def token_nll(model, items: Sequence[tuple[int, torch.Tensor, Window]], sizes: Sequence[int], *, state=None,
               progress: bool = True, desc: str = "key tokens") -> list[torch.Tensor]:
@@ -85,9 +100,7 @@ def key_masks(evaluator, documents: Sequence[torch.Tensor], needed: Sequence[Seq
     """One bool mask per document: its key tokens among the positions in ``needed`` (ranges [lo, hi) per document),
     as ``evaluator`` finds them with a long context of ``context`` tokens and a short one of ``short`` (default
     ``context // 8``). Returns the masks and what was done (for the results JSON)."""
-    short = short or max(1, context // SHORT_FRACTION)
-    if not 1 <= short < context:
-        raise ValueError(f"the key-token short context must be between 1 and the long context {context}, got {short}")
+    context, short = key_contexts(context, short)
     step = max(1, short // 4)
     sizes = [int(d.numel()) for d in documents]
     long_items, short_items = [], []

@@ -17,7 +17,7 @@ from .demo import DEMO_MAX_TOKENS, demo_jobs, reference_texts
 from .device import resolve_device, resolve_dtype
 from .models import load_model, load_tokenizer
 from .passkey import DEFAULT_DEPTHS
-from .preflight import check_fit
+from .preflight import check_fit, check_key_tokens
 from .requests import MethodChoice, parse_factor
 from .results import check_file_target, check_output, jsonl_path
 from .runner import ModelJob, Settings
@@ -86,7 +86,7 @@ def parse_factor_argument(text: str) -> float:
 
 def parse_measures(tasks: str | None, *, passkey: bool) -> list[str]:
     """What the run measures: ``--tasks`` (ppl, passkey, task names; default ppl), ``--passkey`` adding passkey."""
-    measures = parse_tasks(tasks) if tasks else [PPL]
+    measures = parse_tasks(tasks) if tasks is not None else [PPL]
     if passkey and PASSKEY not in measures:
         measures.append(PASSKEY)
     return measures
@@ -172,12 +172,12 @@ def plan_eval(args) -> EvalPlan:
     check_output(output, resume=args.resume, overwrite=args.overwrite)
     plot = args.plot or (DEMO_PLOT if demo else None)
     if plot:
-        _check_picture(plot, data=args.data)
+        _check_picture(plot, data=args.data, output=output)
     heatmap = args.heatmap or _beside(plot)
-    if heatmap and plot and Path(heatmap).resolve() == Path(plot).resolve():
-        raise ValueError(f"--heatmap {heatmap} is the --plot file; choose another")
-    if heatmap and heatmap != _beside(plot):
-        _check_picture(heatmap, data=args.data, flag="--heatmap")
+    if heatmap:
+        written = _check_picture(heatmap, data=args.data, output=output, flag="--heatmap")
+        if plot and written.resolve() == _picture_file(Path(plot)).resolve():
+            raise ValueError(f"--heatmap {heatmap} is the --plot file; choose another")
     if not demo:
         _check_sources(args)
     texts = load_texts(args.data, split=args.data_split, text_field=args.text_field) if args.data else None
@@ -187,7 +187,9 @@ def plan_eval(args) -> EvalPlan:
     else:
         texts = texts or reference_texts()
         jobs = [_model_job(args, device, texts)]
-    check_fit(jobs, methods, args.lengths)  # lengths None: each model at 1x..8x its own original length
+    originals = check_fit(jobs, methods, args.lengths)  # lengths None: each model at 1x..8x its own original length
+    if args.key_tokens:
+        check_key_tokens(originals, context=args.key_context, short=args.key_short, evaluator=args.evaluator)
     max_windows, max_tokens = args.max_windows, args.max_tokens
     if demo and max_windows is None and max_tokens is None:
         max_tokens = DEMO_MAX_TOKENS
@@ -215,14 +217,30 @@ def _beside(plot: str | None) -> str | None:
     return str(path.with_name(f"{path.stem}_needles{path.suffix or '.png'}"))
 
 
-def _check_picture(path: str, *, data: str | None, flag: str = "--plot") -> None:
+def _picture_file(path: Path) -> Path:
+    """The file matplotlib writes for ``path``: a name without a suffix gets ``.png`` (its savefig.format)."""
+    return path if path.suffix else path.with_name(path.name + ".png")
+
+
+def _check_picture(path: str, *, data: str | None, output: str, flag: str = "--plot") -> Path:
+    """A picture matplotlib can write at ``path`` that replaces neither the data nor this run's results; returns
+    the file that will be written."""
     target = check_file_target(path, flag, "ppl.png")
-    if data and target.resolve() == Path(data).resolve():
-        raise ValueError(f"{flag} {path} would overwrite the data {data}; choose another {flag}")
     try:
-        import matplotlib  # noqa: F401
+        from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise ValueError(f"{flag} needs matplotlib: pip install 'ctxext[eval]'") from None
+    written = _picture_file(target)
+    for other, what in ((data, "the data"), (output, "the --output results"),
+                        (jsonl_path(output), "the --output rows file")):
+        if other and written.resolve() == Path(other).resolve():
+            raise ValueError(f"{flag} {path} would overwrite {what} {other}; choose another {flag}")
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    suffix = target.suffix.lower().lstrip(".")
+    if suffix and suffix not in kinds:
+        raise ValueError(f"{flag} {path}: matplotlib cannot write .{suffix} pictures; end the name in .png, .pdf or "
+                         f".svg (or one of {', '.join('.' + k for k in sorted(kinds))})")
+    return written
 
 
 def _check_sources(args) -> None:

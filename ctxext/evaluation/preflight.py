@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from ..adapters import find_adapter
 from ..core.errors import PatchError
+from .models import model_info
 from .requests import NONE, MethodChoice, MethodRequest, check_request, parse_factor, takes_factor
 from .runner import ModelJob, default_factor, default_lengths
 
@@ -28,11 +29,13 @@ def unfit_requests(skeleton, requests: list[MethodRequest], *, default_factor: f
     return problems
 
 
-def check_fit(jobs: list[ModelJob], methods: MethodChoice, lengths: list[int] | None) -> None:
+def check_fit(jobs: list[ModelJob], methods: MethodChoice, lengths: list[int] | None) -> dict[str, int | None]:
     """Methods x factors x model family, on each model's skeleton: a requested method that fits no model, or a
     derived factor past the cap, is refused before anything loads. Where several models run (the demo), a method
-    that fits some of them runs on those and is reported for the others. ``lengths`` None: each model's default."""
+    that fits some of them runs on those and is reported for the others. ``lengths`` None: each model's default.
+    Returns each checked model's original (trained) length, as the results will state it."""
     unfit: dict[str, list[str]] = {}
+    originals: dict[str, int | None] = {}
     for job in jobs:
         if job.load_skeleton is None:
             continue
@@ -42,6 +45,7 @@ def check_fit(jobs: list[ModelJob], methods: MethodChoice, lengths: list[int] | 
             if len(jobs) == 1:
                 raise
             continue  # the runner reports this model and runs the others
+        originals[job.label] = model_info(skeleton, job.label)["original_length"]
         try:
             adapter = find_adapter(skeleton)
         except PatchError as exc:
@@ -62,3 +66,20 @@ def check_fit(jobs: list[ModelJob], methods: MethodChoice, lengths: list[int] | 
                 unfit.setdefault(job.label, []).append(problem)
     if unfit and (len(jobs) == 1 or len(unfit) == len(jobs)):
         raise PatchError("; ".join(f"{label}: {p}" for label, problems in unfit.items() for p in problems))
+    return originals
+
+
+def check_key_tokens(originals: dict[str, int | None], *, context: int | None, short: int | None,
+                     evaluator: str | None) -> None:
+    """--key-context / --key-short against the evaluator's trained length (the model's own, or ``evaluator``'s read
+    from its skeleton), so that a short context that is not shorter is refused before any weights load."""
+    from ..loading import model_skeleton
+    from .keytokens import key_contexts
+
+    if evaluator is not None and not context:
+        originals = {evaluator: model_info(model_skeleton(evaluator), evaluator)["original_length"]}
+    for label, original in originals.items():
+        try:
+            key_contexts(context or original, short)
+        except ValueError as exc:
+            raise ValueError(f"--key-tokens: {label}: {exc}") from None

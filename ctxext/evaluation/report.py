@@ -91,7 +91,9 @@ def task_names(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def _samples(rows, task: str) -> str:
     counts = sorted({r.get("trials") for r in rows if r.get("kind") == task and r.get("trials")})
-    return f"{'/'.join(map(str, counts))} samples" if counts else "no samples"
+    if not counts:
+        return "no samples"
+    return f"{'/'.join(map(str, counts))} sample{'' if counts == [1] else 's'}"
 
 
 def task_average(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -86,7 +86,19 @@ def row_problem(row: Any) -> str | None:
             return f"no field {name!r}"
         if not ok(row[name]):
             return f"field {name!r} is {json.dumps(row[name])[:40]}, expected {want}"
+    if "depths" in row and not _depth_scores(row["depths"]):  # a needle task's accuracy by depth (the heatmap's)
+        return f"field 'depths' is {json.dumps(row['depths'])[:40]}, expected needle depth -> accuracy, both in [0, 1]"
     return None
+
+
+def _depth_scores(value: Any) -> bool:
+    def depth(key: Any) -> bool:
+        try:
+            return 0 <= float(key) <= 1
+        except (TypeError, ValueError):
+            return False
+
+    return isinstance(value, dict) and all(depth(k) and _number(v) and 0 <= v <= 1 for k, v in value.items())
 
 
 def _read_lines(path: Path) -> tuple[list[tuple[int, Any]], int, bool]:

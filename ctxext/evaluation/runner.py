@@ -163,6 +163,12 @@ class Runner:
         s = self.settings
         tokenizer = job.load_tokenizer()
         docs = tokenize_texts(tokenizer, job.texts.texts)
+        sources = self._task_sources(job, tokenizer) if s.tasks else None
+        task_plan = None
+        if s.tasks and s.lengths:  # lengths known before the weights: a task that fits none is reported first
+            task_plan = self._task_plan(job, sources, list(s.lengths))
+            if not task_plan and not (s.perplexity or s.passkey):
+                return  # nothing to measure: the weights are not loaded
         model = job.load_model(self.state)
         info = model_info(model, job.info.get("model", job.label), label=job.label, **{k: v for k, v in job.info.items() if k != "model"})
         info["tokens"] = sum(int(d.numel()) for d in docs)
@@ -205,15 +211,8 @@ class Runner:
                     self.error(f"{job.label}: {exc}; no passkey at this length")
                     continue
                 plan.append(("passkey", length))
-        sources = self._task_sources(job, tokenizer) if s.tasks else None
-        for task in s.tasks:
-            for length in lengths:
-                try:
-                    check_length(task, sources, length, seed=s.seed)
-                except ValueError as exc:
-                    self.error(f"{job.label}: {exc}; skipped")
-                    continue
-                plan.append((task, length))
+        if s.tasks:
+            plan += task_plan if task_plan is not None else self._task_plan(job, sources, lengths)
         plan.sort(key=lambda p: (p[1], p[0] != "ppl"))
         for req in requests:
             keys = [(kind, job.label, req.method, req.factor, L) for kind, L in plan]
@@ -286,6 +285,19 @@ class Runner:
         if evaluator is not model:
             del evaluator
         return masks
+
+    def _task_plan(self, job: ModelJob, sources, lengths: list[int]) -> list[tuple[str, int]]:
+        """(task, length) for every task that fits a length; the others are reported and skipped."""
+        plan = []
+        for task in self.settings.tasks:
+            for length in lengths:
+                try:
+                    check_length(task, sources, length, seed=self.settings.seed)
+                except ValueError as exc:
+                    self.error(f"{job.label}: {exc}; skipped")
+                    continue
+                plan.append((task, length))
+        return plan
 
     def _task_sources(self, job: ModelJob, tokenizer):
         """The tokenizer's haystacks: prose from the job's texts, RULER's noise sentence."""

@@ -128,22 +128,30 @@ def _retrieval_verdict(rows: list[dict[str, Any]], ppl_rows: list[dict[str, Any]
         return (f"retrieval ({what}): unpatched scores {100 * base:.0f}% even at its trained length {trained}, "
                 "too little to rank methods by")
     if ("none", headline) in acc:
-        parts.append(f"unpatched {100 * acc[('none', headline)]:.0f}%")
+        parts.append(f"unpatched {_percent(acc[('none', headline)])}")
     patched = {lab: a for (lab, n), a in acc.items() if n == headline and lab != "none"}
     if patched:
         best = max(patched, key=patched.get)
-        parts.append(f"best {best} {100 * patched[best]:.0f}%" if patched[best] > 0 else "no method retrieves")
+        parts.append(f"best {best} {_percent(patched[best])}" if patched[best] > 0 else "no method retrieves")
     sentence = f"retrieval ({what}) {at}: " + ", ".join(parts) if parts else None
     field = _metric(ppl_rows)
     ppl = {(r["label"], int(r["length"])): r.get(field) for r in ppl_rows if not r.get("not_applicable")}
     ppl_base = ppl.get(("none", trained))
-    if ppl_base and base is not None:  # perplexity that holds while retrieval is gone
+    # A miss says something only about a model that can retrieve: shown by its unpatched row at the trained length
+    # or, where the run has none (a task may not fit there), by any row of the run that retrieves.
+    can_retrieve = base is not None or any(a >= RETRIEVES_AT_1X for a in acc.values())
+    if ppl_base and can_retrieve:  # perplexity that holds while retrieval is gone
         blind = [f"{lab} holds perplexity (x{ppl[(lab, headline)] / ppl_base:.2f}) but retrieves "
-                 f"{100 * a:.0f}% {at}" for lab, a in sorted(patched.items())
+                 f"{_percent(a)} {at}" for lab, a in sorted(patched.items())
                  if a < NO_RETRIEVAL and ppl.get((lab, headline)) and ppl[(lab, headline)] / ppl_base < DEGRADES]
         if blind:
             sentence = "; ".join(([sentence] if sentence else []) + blind)
     return sentence
+
+
+def _percent(accuracy: float) -> str:
+    """An accuracy as a whole percentage; one that rounds to 0 but is not 0 reads "<1%", not "0%"."""
+    return "<1%" if 0 < accuracy < 0.005 else f"{100 * accuracy:.0f}%"
 
 
 def verdicts(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]]) -> list[str]:

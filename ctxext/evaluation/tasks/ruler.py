@@ -121,20 +121,44 @@ def sources(encoder: Encoder, texts: list[str]) -> Sources:
 
 
 #: Words at most in one haystack unit: a needle goes in between units, so text without sentence punctuation (code,
-#: lower-case or unspaced scripts) still offers a boundary every few dozen words.
+#: lower-case) still offers a boundary every few dozen words.
 UNIT_WORDS = 40
+#: A script written without spaces (Chinese, Japanese, Thai) makes a whole paragraph one "word": a run longer than
+#: LONG_RUN characters (English words, dash-joined ones too, stay far below it) is cut every UNIT_CHARS characters
+#: (10-20 tokens with a tokenizer that knows the script, about 50 with a byte-level one that does not).
+UNIT_CHARS = 16
+LONG_RUN = 64
+#: Sentence ends of scripts that put no space after them (Chinese and Japanese full stops, ! and ?).
+_UNSPACED_ENDS = re.compile(r"(?<=[\u3002\uff01\uff1f])")
 
 
 def split_sentences(texts: list[str]) -> list[str]:
-    """Sentences (after ., ! or ? and a space before a capital, digit or quote), long ones cut every UNIT_WORDS
-    words."""
+    """Sentences (after ., ! or ? and a space before a capital, digit or quote; after a full-width 。！？), long
+    ones cut every UNIT_WORDS words, and runs without spaces every UNIT_CHARS characters."""
     out = []
     for text in texts:
         flat = " ".join(text.split())
-        for sentence in re.split(r"(?<=[.!?])\s+(?=[\"'A-Z0-9(])", flat):
-            words_ = sentence.split(" ")
-            out.extend(" ".join(words_[i : i + UNIT_WORDS]) for i in range(0, len(words_), UNIT_WORDS) if sentence)
+        for spaced in re.split(r"(?<=[.!?])\s+(?=[\"'A-Z0-9(])", flat):
+            for sentence in filter(None, (part.strip() for part in _UNSPACED_ENDS.split(spaced))):
+                out.extend(_units(sentence))
     return out
+
+
+def _units(sentence: str) -> list[str]:
+    """A sentence as units of at most UNIT_WORDS words; a run without spaces longer than LONG_RUN becomes units of
+    UNIT_CHARS characters."""
+    units, words_ = [], []
+    for word in sentence.split(" "):
+        if len(word) > LONG_RUN:
+            units += [" ".join(words_)] if words_ else []
+            units += [word[i : i + UNIT_CHARS] for i in range(0, len(word), UNIT_CHARS)]
+            words_ = []
+            continue
+        words_.append(word)
+        if len(words_) == UNIT_WORDS:
+            units.append(" ".join(words_))
+            words_ = []
+    return units + ([" ".join(words_)] if words_ else [])
 
 
 def sample_rng(task: str, seed: int, length: int, index: int) -> random.Random:
@@ -156,6 +180,14 @@ def _budget(task: Task, enc: Encoder, answers: list[str]) -> int:
     return min(task.ruler_tokens, len(enc.ids(" " + written)) + ANSWER_MARGIN)
 
 
+class TooShort(ValueError):
+    """A length below what a sample's fixed parts take; ``minimum`` is the shortest length that holds them."""
+
+    def __init__(self, message: str, *, minimum: int):
+        super().__init__(message)
+        self.minimum = minimum
+
+
 def _frame(task: Task, enc: Encoder, length: int, template: str, answer_prefix: str, answers: list[str],
            fixed: int = 0) -> tuple[list[int], list[int], int, int]:
     """(head ids, tail ids, max_new_tokens, context tokens left) for a template holding ``{context}``."""
@@ -164,8 +196,9 @@ def _frame(task: Task, enc: Encoder, length: int, template: str, answer_prefix: 
     new = _budget(task, enc, answers)
     need = length - new - len(head) - len(tail) - fixed
     if need < 1:
-        raise ValueError(f"{task.name} needs more than {length} tokens ({length - need + 1} at least: the "
-                         f"instructions, question and answer take {length - need} with this tokenizer)")
+        raise TooShort(f"{task.name} needs more than {length} tokens ({length - need + 1} at least: the "
+                       f"instructions, question and answer take {length - need} with this tokenizer)",
+                       minimum=length - need + 1)
     return head, tail, new, need
 
 

@@ -8,7 +8,7 @@ import torch
 
 from ..device import map_over_processes
 from ..perplexity import _input_device
-from .ruler import TASKS, Sources, generate
+from .ruler import TASKS, Sources, TooShort, generate
 from .scoring import METRICS
 
 #: Characters of each answer kept in the result row.
@@ -25,14 +25,25 @@ def plan_samples(samples: int, depths: Sequence[float]) -> list[float]:
 MARGIN = 128
 
 
+def _margin(length: int) -> int:
+    return max(MARGIN, length // 8)
+
+
 def check_length(task: str, src: Sources, length: int, *, seed: int = 0) -> None:
     """Raise ValueError if ``task`` cannot fit ``length`` tokens with this tokenizer, with room for every sample."""
-    margin = max(MARGIN, length // 8)
+    margin = _margin(length)
     try:
         generate(TASKS[task], src, length - margin, seed=seed, index=0, depth=0.5)
+    except TooShort as exc:  # the fixed parts alone: the shortest length that fits them and the margin is known
+        shortest = exc.minimum + MARGIN
+        while shortest - _margin(shortest) < exc.minimum:
+            shortest += 1
+        raise ValueError(f"{task} needs about {shortest} tokens or more with this tokenizer, got {length} (its "
+                         f"instructions, question and answer take {exc.minimum - 1} here, a few more or less with "
+                         f"each sample's keys, and every sample keeps at least {MARGIN} tokens of haystack)") from None
     except ValueError as exc:
-        raise ValueError(f"{task} needs more than {length} tokens with this tokenizer (its instructions, question "
-                         f"and answer leave less than {margin} tokens of haystack): {exc}") from None
+        raise ValueError(f"{task} does not fit {length} tokens with this tokenizer, keeping {margin} tokens of "
+                         f"haystack spare for the other samples ({exc})") from None
 
 
 @torch.no_grad()
@@ -43,6 +54,10 @@ def task_accuracy(model, src: Sources, task: str, length: int, *, samples: int =
 
     With an accelerate ``PartialState`` of several processes the samples are split between them; the result does not
     depend on the process count (each sample is drawn from its own seed)."""
+    if samples < 1:
+        raise ValueError(f"{task}: samples must be at least 1, got {samples}")
+    if not depths or not all(0 <= d <= 1 for d in depths):
+        raise ValueError(f"{task}: needle depths must be fractions of the haystack between 0 and 1, got {list(depths)}")
     spec = TASKS[task]
     metric = METRICS[spec.metric]
     tokenizer = src.encoder.tokenizer
