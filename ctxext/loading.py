@@ -156,6 +156,10 @@ def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: An
     from transformers import AutoModelForCausalLM
 
     _check_source(pretrained, kwargs)
+    if adapter is not None and "dtype" not in kwargs and "torch_dtype" not in kwargs:
+        trained = _trained_dtype(adapter)
+        if trained is not None:  # as the adapter was trained, not as the base's config says (often 16-bit)
+            kwargs = dict(kwargs, dtype=trained)
     try:
         saved = _saved_config_dict(pretrained, kwargs)
         if saved is not None:
@@ -183,6 +187,21 @@ def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: An
     if adapter is not None:
         model = load_adapter(model, adapter)
     return model
+
+
+def _trained_dtype(adapter_dir: str):
+    """The weights dtype a ctxext fine-tune trained the adapter's base in (``model.dtype`` of the ``recipe.yaml`` it
+    saves beside the adapter), or None where there is no such record or it says ``auto``."""
+    import torch
+    import yaml
+    from pathlib import Path
+
+    try:
+        recipe = yaml.safe_load((Path(adapter_dir) / "recipe.yaml").read_text(encoding="utf-8"))
+        name = recipe["model"]["dtype"]
+    except (OSError, ValueError, TypeError, KeyError, yaml.YAMLError):
+        return None
+    return getattr(torch, name) if name in ("float32", "bfloat16", "float16") else None
 
 
 def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:

@@ -32,6 +32,10 @@ def _make(bases, out, args=None, **sections):  # noqa: F811
     ({"learning_rate": 0.1}, "train.args.learning_rate: set by train.lr"),
     ({"per_device_train_batch_size": 8}, "train.args.per_device_train_batch_size: set by train.micro_batch_size"),
     ({"output_dir": "/tmp/x"}, "train.args.output_dir: set by output.dir"),
+    # values of the wrong type: TrainingArguments takes them and the run failed mid-way with a traceback
+    ({"label_smoothing_factor": "abc"}, "train.args.label_smoothing_factor: expected a number, got 'abc'"),
+    ({"report_to": {"x": 1}}, "train.args.report_to: expected null or a string or a list"),
+    ({"dataloader_num_workers": 1.5}, "train.args.dataloader_num_workers: expected a whole number"),
 ])
 def test_train_args_refused_with_their_key_path(bases, tmp_path, args, message):  # noqa: F811
     with pytest.raises(RecipeError) as err:

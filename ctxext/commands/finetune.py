@@ -31,6 +31,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..finetune import check, load_recipe
+    from ..finetune.train import check_output_folder
     from ..finetune import run as run_recipe
 
     # argument checks first: nothing is read, loaded or written for a bad command line
@@ -46,6 +47,7 @@ def run(args) -> int:
         return 0
     if args.check:
         result = check(recipe)
+        check_output_folder(recipe)  # what a run would meet there: a finished run, checkpoints, someone's files
         print(json.dumps({"recipe": args.recipe, "ok": True, **result}, indent=2))
         return 0
     summary = run_recipe(recipe, resume=args.resume, stop_after=args.stop_after, progress=not args.no_progress)

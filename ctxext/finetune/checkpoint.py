@@ -149,10 +149,26 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _absolute(recipe: Recipe, value: Any) -> Any:
+    def fix(item):
+        if not isinstance(item, str) or item == "reference" or item.startswith("reference:"):
+            return item
+        return str(recipe.resolve_path(item))
+
+    return [fix(v) for v in value] if isinstance(value, list) else fix(value)
+
+
 def check_compatible(path: Path, recipe: Recipe) -> None:
     """A resumed run must be the same run: only keys that do not change the result may differ."""
-    saved = _flatten(read_state(path).get("recipe", {}))
-    now = _flatten(recipe.to_dict())
+    saved = read_state(path).get("recipe", {})
+    # data paths as absolute ones: the run's own OUT/recipe.yaml holds them so; a state written before ctxext saved
+    # them so holds them as given, read from the current recipe's folder
+    for key in ("files", "data"):
+        section = saved.get("data" if key == "files" else "eval", {})
+        if isinstance(section, dict) and key in section:
+            section[key] = _absolute(recipe, section[key])
+    saved = _flatten(saved)
+    now = _flatten(recipe.to_dict(absolute_paths=True))
     changed = sorted(
         k for k in set(saved) | set(now)
         if saved.get(k) != now.get(k) and not any(k == r or k.startswith(r + ".") for r in RESUMABLE_CHANGES)

@@ -238,13 +238,10 @@ class Recipe(BaseModel):
     def source(self) -> Optional[str]:
         return self._source
 
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump()
-
-    def to_yaml(self, absolute_paths: bool = False) -> str:
-        """The recipe as YAML; ``absolute_paths``: relative data paths made absolute (for a copy saved elsewhere,
-        e.g. ``output.dir/recipe.yaml``, which would otherwise read them from its own folder)."""
-        d = self.to_dict()
+    def to_dict(self, absolute_paths: bool = False) -> dict[str, Any]:
+        """The recipe as a mapping; ``absolute_paths``: relative data paths made absolute (for a copy saved
+        elsewhere, e.g. ``output.dir/recipe.yaml``, which would otherwise read them from its own folder)."""
+        d = self.model_dump()
         if absolute_paths:
             def fix(item):
                 if not isinstance(item, str) or item == "reference" or is_shipped(item):
@@ -254,7 +251,11 @@ class Recipe(BaseModel):
             d["data"]["files"] = [fix(f) for f in d["data"]["files"]]
             e = d["eval"]["data"]
             d["eval"]["data"] = fix(e) if isinstance(e, str) else [fix(f) for f in e]
-        return yaml.safe_dump(d, sort_keys=False)
+        return d
+
+    def to_yaml(self, absolute_paths: bool = False) -> str:
+        """The recipe as YAML (``absolute_paths`` as in :meth:`to_dict`)."""
+        return yaml.safe_dump(self.to_dict(absolute_paths), sort_keys=False)
 
     @property
     def base_dir(self) -> Path:
@@ -729,14 +730,70 @@ def training_argument_fields() -> set[str]:
 
 
 def check_args(args: dict, err) -> None:
-    """train.args: every key a TrainingArguments field that no recipe key already sets."""
+    """train.args: every key a TrainingArguments field that no recipe key already sets, with a value of the field's
+    type (TrainingArguments takes any value and fails on it mid-run: ``label_smoothing_factor: abc``)."""
+    import typing
+
+    from transformers import TrainingArguments
+
     fields = training_argument_fields()
-    for key in args:
+    try:
+        hints = typing.get_type_hints(TrainingArguments)
+    except Exception:  # noqa: BLE001 - a release whose annotations do not resolve: types left to transformers
+        hints = {}
+    for key, value in args.items():
         if key in OWNED:
             err(f"train.args.{key}: set by {OWNED[key]}", f"train.args.{key}")
         elif key not in fields:  # a field of another transformers release is named as such
             err(f"train.args.{key}: not a transformers.TrainingArguments field (transformers "
                 f"{_transformers_version()})", f"train.args.{key}")
+        elif key in hints and not _fits(value, hints[key]):
+            err(f"train.args.{key}: expected {_type_name(hints[key])}, got {_short(value)}", f"train.args.{key}")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """Whether a YAML value fits a TrainingArguments annotation (a form not read here fits)."""
+    import enum
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is type(None) or hint is None:
+        return value is None
+    if origin in (Union, getattr(__import__("types"), "UnionType", Union)):
+        return any(_fits(value, a) for a in args)
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is dict or origin is dict:
+        return isinstance(value, dict)
+    if hint is list or origin is list:
+        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return isinstance(value, hint) or value in {m.value for m in hint}
+    return True
+
+
+def _type_name(hint: Any) -> str:
+    import typing
+
+    args = typing.get_args(hint)
+    if args and typing.get_origin(hint) not in (list, dict):
+        return " or ".join(dict.fromkeys(_type_name(a) for a in args))
+    if hint is type(None):
+        return "null"
+    names = {bool: "true/false", int: "a whole number", float: "a number", str: "a string", dict: "a mapping"}
+    if hint in names:
+        return names[hint]
+    if typing.get_origin(hint) is list or hint is list:
+        return "a list"
+    if typing.get_origin(hint) is dict:
+        return "a mapping"
+    return getattr(hint, "__name__", str(hint))
 
 
 def _transformers_version() -> str:

@@ -36,6 +36,13 @@ from .model import (
 )
 
 PATCH_FILE = "ctxext_patch.json"
+#: What a run writes in output.dir besides its checkpoint folders: the log (written first, so it marks a run's folder),
+#: the summary, the recipe, the adapter (peft writes a README.md model card beside it), the tokenizer, the merged
+#: model. --overwrite removes all of it before the new run writes anything, so no part of the old run (an adapter
+#: without its patch file) outlives a new run that stops early.
+RUN_LOG = "log.jsonl"
+RUN_FILES = (RUN_LOG, "results.json", "recipe.yaml", PATCH_FILE, "adapter_config.json", "adapter_model.safetensors",
+             "adapter_model.bin", "README.md", "tokenizer", "merged")
 
 
 def check_output(recipe: Recipe) -> None:
@@ -200,6 +207,7 @@ def _refuse_finished_or_stale(recipe: Recipe, out: Path, resume: bool, say) -> t
     """What output.dir holds decides the start: a finished run (returned as the summary when resuming), checkpoints
     of an earlier run (resumed with --resume, refused otherwise), damaged checkpoints (passed over). Returns (the
     checkpoint to resume, the damaged ones newer than it, a finished run's summary)."""
+    _refuse_foreign_folder(out)
     finished = out / "results.json"
     if finished.exists() and not recipe.output.overwrite:
         if resume:
@@ -228,6 +236,41 @@ def _refuse_finished_or_stale(recipe: Recipe, out: Path, resume: bool, say) -> t
             f"(the damaged folder is set aside as {ckpt.DAMAGED_PREFIX}{path.name} when training starts)")
     ckpt.check_compatible(latest, recipe)
     return latest, damaged, None
+
+
+def _refuse_foreign_folder(out: Path) -> None:
+    """A folder that holds files but no run (no run log, no checkpoints) is the user's: a run would replace its
+    README.md and recipe.yaml, so it is refused, with --overwrite too."""
+    if not out.is_dir() or (out / RUN_LOG).is_file() or ckpt.checkpoints(out) or (out / ckpt.OLD_LAYOUT).is_dir():
+        return
+    held = sorted(p.name for p in out.iterdir())
+    if held:
+        listed = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise RecipeError(f"output.dir {str(out)!r} holds files that are not a ctxext finetune run ({listed}); a run "
+                          "writes README.md, recipe.yaml and the adapter there and would replace files of the same "
+                          "name: give a new or empty folder")
+
+
+def check_output_folder(recipe: Recipe) -> None:
+    """What ``--check`` says about output.dir beyond "it can be written": the refusals a run (without --resume) would
+    meet there (a folder that is not a run, a finished run, checkpoints, the old layout)."""
+    try:
+        _refuse_finished_or_stale(recipe, Path(recipe.output.dir), False, lambda message: None)
+    except RecipeError as exc:
+        raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "") + str(exc)) from None
+
+
+def _clear_run(out: Path) -> None:
+    """Remove an earlier run from ``out`` (--overwrite): its checkpoints and every file in RUN_FILES."""
+    import shutil
+
+    ckpt.remove_all(out)
+    for name in RUN_FILES:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 def run(
@@ -271,7 +314,7 @@ def run(
     latest, damaged, finished = _refuse_finished_or_stale(recipe, out, resume, say)
     if finished is not None:
         return finished
-    log = RunLog(out / "log.jsonl", main)
+    log = RunLog(out / RUN_LOG, main)
 
     # -- model, patch, data
     set_seed(t.seed)
@@ -324,9 +367,7 @@ def run(
     if main:
         out.mkdir(parents=True, exist_ok=True)
         if recipe.output.overwrite and not resume:
-            ckpt.remove_all(out)
-            for name in ("log.jsonl", "results.json", "recipe.yaml", PATCH_FILE):
-                (out / name).unlink(missing_ok=True)
+            _clear_run(out)
         ckpt.set_aside([path for path, _, _ in damaged])  # newer than the one resumed: they must not count as newest
     state.wait_for_everyone()
     say(

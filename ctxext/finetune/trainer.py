@@ -99,6 +99,13 @@ class RunCallback(TrainerCallback):
         if not math.isfinite(loss):  # raised before the step's checkpoint (Trainer logs, then saves)
             raise RecipeError(f"loss is {loss} at step {state.global_step}: lower train.lr (or lora.alpha / lora.r, "
                               "the scale of the LoRA update), or check the data")
+        grad = logs.get("grad_norm")
+        # a non-finite gradient has already made the weights NaN (or, clipped, left them unchanged for good): stop
+        # before this step's checkpoint exists. fp16's loss scaler skips such steps itself, so there it is routine.
+        if grad is not None and not math.isfinite(float(grad)) and self.recipe.train.mixed_precision != "fp16":
+            raise RecipeError(f"gradient norm is {float(grad)} at step {state.global_step} (loss {loss:.4g}): the "
+                              "update is not a number; lower train.lr (or lora.alpha / lora.r, the scale of the LoRA "
+                              "update)")
 
     def on_save(self, args, state, control, **kwargs):
         from accelerate import PartialState
@@ -106,7 +113,7 @@ class RunCallback(TrainerCallback):
         PartialState().wait_for_everyone()  # every process's files are written before the record that lists them
         if state.is_world_process_zero:
             path = Path(args.output_dir) / f"{ckpt.PREFIX}{state.global_step}"
-            ckpt.write_state(path, dict(self.record, step=state.global_step, recipe=self.recipe.to_dict(),
+            ckpt.write_state(path, dict(self.record, step=state.global_step, recipe=self.recipe.to_dict(True),
                                         world_size=args.world_size))
             self.log.write(event="checkpoint", step=state.global_step, path=str(path))
 

@@ -1,0 +1,123 @@
+"""What `ctxext finetune` does to the files in output.dir: someone's folder is refused, --overwrite leaves nothing of
+the old run behind, a run's own saved recipe resumes it, and a non-finite gradient stops the run before its
+checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.importorskip("peft")
+
+from ctxext.cli import main  # noqa: E402
+from ctxext.finetune import RecipeError, load_recipe, recipe_from_dict, run  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_finetune import bases, recipe_dict  # noqa: E402,F401  (the module's fixture and recipe)
+
+QUICK = {"steps": 2, "batch_size": 2, "micro_batch_size": 2, "save_every": 1, "gradient_checkpointing": False}
+
+
+def quick(bases, out, **sections):
+    sections["train"] = {**QUICK, **sections.get("train", {})}
+    sections["eval"] = {"enabled": False, **sections.get("eval", {})}
+    d = recipe_dict(bases, out, **sections)
+    d["data"]["max_sequences"] = 8
+    return d
+
+
+def test_a_folder_that_is_not_a_run_is_refused_and_left_as_it_was(bases, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "README.md").write_text("my notes\n")
+    recipe = recipe_from_dict(quick(bases, out))
+    with pytest.raises(RecipeError, match=r"holds files that are not a ctxext finetune run \(README.md\)"):
+        run(recipe, progress=False)
+    with pytest.raises(RecipeError, match="not a ctxext finetune run"):  # --overwrite replaces only a run's files
+        run(recipe_from_dict(quick(bases, out, output={"overwrite": True})), progress=False)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(quick(bases, out)))
+    assert main(["finetune", str(path), "--check"]) == 2  # --check says so too
+    assert "not a ctxext finetune run" in capsys.readouterr().err
+    assert [p.name for p in out.iterdir()] == ["README.md"] and (out / "README.md").read_text() == "my notes\n"
+
+
+def test_check_reports_a_finished_run_in_output_dir(bases, tmp_path, capsys):
+    out = tmp_path / "run"
+    run(recipe_from_dict(quick(bases, out)), progress=False)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(quick(bases, out)))
+    assert main(["finetune", str(path), "--check"]) == 2
+    assert "holds a finished run" in capsys.readouterr().err
+
+
+def test_overwrite_that_stops_early_leaves_no_part_of_the_old_run(bases, tmp_path):
+    """An adapter of the old run beside no patch file would reload, silently, on an unpatched model."""
+    out = tmp_path / "run"
+    run(recipe_from_dict(quick(bases, out, output={"merged": True})), progress=False)
+    assert (out / "adapter_config.json").exists() and (out / "merged").is_dir()
+    part = run(recipe_from_dict(quick(bases, out, output={"overwrite": True})), stop_after=1, progress=False)
+    assert not part["finished"]
+    left = sorted(p.name for p in out.iterdir())
+    assert left == ["checkpoint-1", "log.jsonl", "recipe.yaml"], left
+    assert sum(json.loads(line)["event"] == "start" for line in (out / "log.jsonl").read_text().splitlines()) == 1
+
+
+def test_the_runs_own_saved_recipe_resumes_it(bases, tmp_path):
+    """OUT/recipe.yaml holds the data paths made absolute; resuming with it is the same run."""
+    here = tmp_path / "project"
+    shutil.copytree(bases["data"], here / "data")
+    d = quick(bases, here / "out")
+    d["data"]["files"] = ["data"]  # relative to the recipe's folder
+    (here / "r.yaml").write_text(yaml.safe_dump(d))
+    part = run(load_recipe(here / "r.yaml"), stop_after=1, progress=False)
+    assert not part["finished"]
+    done = run(load_recipe(here / "out" / "recipe.yaml"), resume=True, progress=False)
+    assert done["finished"] and done["steps"] == 2
+
+
+@pytest.mark.parametrize("precision, stops", [("no", True), ("fp16", False)])
+def test_a_non_finite_gradient_stops_the_run_before_its_checkpoint(bases, tmp_path, precision, stops):
+    """Trainer logs a step, then saves it: the stop in the log callback comes first. fp16's loss scaler skips steps
+    with an infinite gradient on its own, so there the run goes on."""
+    from ctxext.finetune.trainer import RunCallback, RunLog
+
+    recipe = recipe_from_dict(quick(bases, tmp_path / "out", train={"mixed_precision": precision}))
+    callback = RunCallback(recipe, {"losses": []}, RunLog(tmp_path / "log.jsonl", True), 64, None)
+
+    class State:
+        global_step, max_steps = 2, 6
+
+    logs = {"loss": 3.2, "grad_norm": float("nan"), "learning_rate": 1e-3}
+    if stops:
+        with pytest.raises(RecipeError, match="gradient norm is nan at step 2"):
+            callback.on_log(None, State(), None, logs=logs)
+    else:
+        callback.on_log(None, State(), None, logs=logs)
+    callback.on_log(None, State(), None, logs=dict(logs, grad_norm=0.5))  # a finite one is a step like any other
+
+
+def test_the_adapter_reloads_in_the_dtype_it_was_trained_in(bases, tmp_path):
+    """A base whose config says float16 (as many checkpoints' do) trained in float32: the documented reload
+    ``ctxext.from_pretrained(base, adapter=DIR)`` gives the float32 model the run evaluated, unless told otherwise."""
+    import torch
+
+    import ctxext
+
+    base = tmp_path / "base"
+    shutil.copytree(bases["llama"], base)
+    config = json.loads((base / "config.json").read_text())
+    (base / "config.json").write_text(json.dumps(dict(config, dtype="float16", torch_dtype="float16")))
+    out = tmp_path / "run"
+    d = quick(bases, out)
+    d["model"]["name"] = str(base)
+    run(recipe_from_dict(d), progress=False)
+    assert next(ctxext.from_pretrained(str(base)).parameters()).dtype == torch.float16  # the base as it says
+    assert next(ctxext.from_pretrained(str(base), adapter=str(out)).parameters()).dtype == torch.float32
+    asked = ctxext.from_pretrained(str(base), adapter=str(out), dtype=torch.bfloat16)
+    assert next(asked.parameters()).dtype == torch.bfloat16
