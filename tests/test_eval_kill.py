@@ -57,30 +57,35 @@ def _lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in text.splitlines()]  # every line is whole JSON
 
 
-def _kill_after(llama_dir, out: Path, rows: int) -> int:
-    """Start the run in a child process, SIGKILL it once the JSONL holds ``rows`` rows; returns the rows written."""
+def _signal_after(llama_dir, out: Path, rows: int, sig: int = signal.SIGKILL) -> tuple[int, str, int]:
+    """Start the run in a child process, send ``sig`` once the JSONL holds ``rows`` rows; returns the exit status,
+    the child's stderr and the rows written."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
                                                                    os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_EVAL, "eval", "--model", str(llama_dir), *ARGS,
-                             "--output", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    jsonl = out.with_suffix(".jsonl")
-    deadline = time.monotonic() + 120
-    try:
-        while time.monotonic() < deadline and proc.poll() is None:
-            if jsonl.exists() and jsonl.read_text().count("\n") >= rows + 1:
-                break
-            time.sleep(0.02)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the run finished before the kill"
-    return jsonl.read_text().count("\n") - 1
+    err = out.with_name(out.name + ".stderr")
+    with err.open("wb") as stderr:
+        proc = subprocess.Popen([sys.executable, "-c", SLOW_EVAL, "eval", "--model", str(llama_dir), *ARGS,
+                                 "--output", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+        jsonl = out.with_suffix(".jsonl")
+        deadline = time.monotonic() + 120
+        try:
+            while time.monotonic() < deadline and proc.poll() is None:
+                if jsonl.exists() and jsonl.read_text().count("\n") >= rows + 1:
+                    break
+                time.sleep(0.02)
+        finally:
+            proc.send_signal(sig)
+            proc.wait(timeout=60)
+    said = err.read_text()
+    err.unlink()
+    return proc.returncode, said, jsonl.read_text().count("\n") - 1
 
 
 @pytest.mark.parametrize("after, damage", [(1, None), (5, "cut line"), (9, "stale final temp file")])
 def test_kill_then_resume_equals_uninterrupted(after, damage, llama_dir, reference, tmp_path, capsys):
     out = tmp_path / "r.json"
-    written = _kill_after(llama_dir, out, after)
+    status, _, written = _signal_after(llama_dir, out, after)
+    assert status == -signal.SIGKILL, "the run finished before the kill"
     assert after <= written < ROWS
     jsonl = out.with_suffix(".jsonl")
     if damage == "cut line":  # a kill in the middle of a write leaves half a row and no newline
@@ -122,22 +127,10 @@ def test_overwrite_keeps_the_old_result_until_a_new_row_exists(llama_dir, tmp_pa
 def test_sigterm_keeps_finished_rows_and_removes_the_lock(llama_dir, reference, tmp_path, capsys):
     """`kill` / `timeout` send SIGTERM: handled as Ctrl-C (the lock file goes, the rows stay), then --resume."""
     out = tmp_path / "r.json"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                   os.environ.get("PYTHONPATH")])))
-    proc = subprocess.Popen([sys.executable, "-c", SLOW_EVAL, "eval", "--model", str(llama_dir), *ARGS,
-                             "--output", str(out)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    jsonl = out.with_suffix(".jsonl")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if jsonl.exists() and jsonl.read_text().count("\n") >= 3:
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    err = proc.communicate(timeout=60)[1].decode()
-    assert proc.returncode == 128 + signal.SIGTERM, err
+    status, err, written = _signal_after(llama_dir, out, 2, signal.SIGTERM)
+    assert status == 128 + signal.SIGTERM, err
     assert "terminated" in err
     assert not (tmp_path / ".r.json.ctxext-lock").exists()
-    written = jsonl.read_text().count("\n") - 1
     assert 2 <= written < ROWS
     assert main(["eval", "--model", str(llama_dir), *ARGS, "--output", str(out), "--resume"]) == 0
     assert _scores(json.loads(out.read_text())["results"]) == pytest.approx(reference)

@@ -141,13 +141,19 @@ def test_verdict_does_not_round_a_small_accuracy_to_zero():
     assert "best yarn <1%" in verdicts(rows, models)[0]
 
 
-def test_a_task_that_fits_no_length_is_refused_before_the_weights_load(llama_dir, tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def weights_never_load(monkeypatch):
+    """A refusal that should come before the weights load fails the test if they load."""
     import ctxext.evaluation.plan as plan
 
     def no_load(*args, **kwargs):
         raise AssertionError("the weights were loaded")
 
     monkeypatch.setattr(plan, "load_model", no_load)
+
+
+def test_a_task_that_fits_no_length_is_refused_before_the_weights_load(llama_dir, tmp_path, capsys,
+                                                                        weights_never_load):
     out = tmp_path / "r.json"
     assert run("--model", llama_dir, "--lengths", "96", "--methods", "none", "--tasks", "niah_single_1",
                "--output", out) == 2
@@ -160,14 +166,8 @@ def test_a_task_that_fits_no_length_is_refused_before_the_weights_load(llama_dir
     (["--key-context", "1"], "give --key-context of at least 2"),
     (["--key-context", "32", "--key-short", "32"], "must be shorter than --key-context 32"),
 ])
-def test_key_token_contexts_are_checked_before_the_weights_load(llama_dir, tmp_path, capsys, monkeypatch, argv,
-                                                                said):
-    import ctxext.evaluation.plan as plan
-
-    def no_load(*args, **kwargs):
-        raise AssertionError("the weights were loaded")
-
-    monkeypatch.setattr(plan, "load_model", no_load)
+def test_key_token_contexts_are_checked_before_the_weights_load(llama_dir, tmp_path, capsys, weights_never_load,
+                                                                argv, said):
     out = tmp_path / "r.json"
     assert run("--model", llama_dir, "--lengths", "128", "--methods", "none", "--key-tokens", *argv,
                "--output", out) == 2

@@ -149,15 +149,6 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-def _absolute(recipe: Recipe, value: Any) -> Any:
-    def fix(item):
-        if not isinstance(item, str) or item == "reference" or item.startswith("reference:"):
-            return item
-        return str(recipe.resolve_path(item))
-
-    return [fix(v) for v in value] if isinstance(value, list) else fix(value)
-
-
 def check_compatible(path: Path, recipe: Recipe) -> None:
     """A resumed run must be the same run: only keys that do not change the result may differ."""
     saved = read_state(path).get("recipe", {})
@@ -166,7 +157,7 @@ def check_compatible(path: Path, recipe: Recipe) -> None:
     for key in ("files", "data"):
         section = saved.get("data" if key == "files" else "eval", {})
         if isinstance(section, dict) and key in section:
-            section[key] = _absolute(recipe, section[key])
+            section[key] = recipe.absolute_data(section[key])
     saved = _flatten(saved)
     now = _flatten(recipe.to_dict(absolute_paths=True))
     changed = sorted(

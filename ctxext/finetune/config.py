@@ -243,15 +243,18 @@ class Recipe(BaseModel):
         elsewhere, e.g. ``output.dir/recipe.yaml``, which would otherwise read them from its own folder)."""
         d = self.model_dump()
         if absolute_paths:
-            def fix(item):
-                if not isinstance(item, str) or item == "reference" or is_shipped(item):
-                    return item
-                return str(self.resolve_path(item))
-
-            d["data"]["files"] = [fix(f) for f in d["data"]["files"]]
-            e = d["eval"]["data"]
-            d["eval"]["data"] = fix(e) if isinstance(e, str) else [fix(f) for f in e]
+            d["data"]["files"] = self.absolute_data(d["data"]["files"])
+            d["eval"]["data"] = self.absolute_data(d["eval"]["data"])
         return d
+
+    def absolute_data(self, value: Any) -> Any:
+        """A ``data.files`` / ``eval.data`` value with relative paths made absolute (shipped names kept)."""
+        def fix(item):
+            if not isinstance(item, str) or item == "reference" or is_shipped(item):
+                return item
+            return str(self.resolve_path(item))
+
+        return [fix(v) for v in value] if isinstance(value, list) else fix(value)
 
     def to_yaml(self, absolute_paths: bool = False) -> str:
         """The recipe as YAML (``absolute_paths`` as in :meth:`to_dict`)."""
@@ -754,12 +757,13 @@ def check_args(args: dict, err) -> None:
 def _fits(value: Any, hint: Any) -> bool:
     """Whether a YAML value fits a TrainingArguments annotation (a form not read here fits)."""
     import enum
+    import types
     import typing
 
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is type(None) or hint is None:
         return value is None
-    if origin in (Union, getattr(__import__("types"), "UnionType", Union)):
+    if origin in (Union, types.UnionType):
         return any(_fits(value, a) for a in args)
     if hint is bool:
         return isinstance(value, bool)
