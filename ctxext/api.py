@@ -16,6 +16,7 @@ from .core.active import ACTIVE as _ACTIVE
 from .core.active import base_model, describe, require_transformers_model  # base_model, describe: public here too
 from .core.active import pickle_refusal
 from .core.errors import PatchError
+from .core.own_config import own_config
 from .methods.temperature import OPTION as TEMPERATURE
 from .methods.registry import METHODS, resolve_method, validate_factor, validate_options
 from .core.spec import CONFIG_KEY, SAVED_AS_KEY, PatchSpec, install_save_mark, unmark_live_config
@@ -136,8 +137,15 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, replace
         replaced = getattr(model, _ACTIVE).spec
         unpatch(model)
     else:
-        take_saved_spec(model)  # a spec saved in config but not applied: start from the original length
-        spec, adapter = build_spec(model, method, factor, **options)
+        # the patch writes to the config: a config object shared with other models (transformers does not copy the
+        # one a model is built from) would carry it to them
+        put_back_config = own_config(model)
+        try:
+            take_saved_spec(model)  # a spec saved in config but not applied: start from the original length
+            spec, adapter = build_spec(model, method, factor, **options)
+        except BaseException:
+            put_back_config()
+            raise
         replaced = None
 
     config = model.config
@@ -147,6 +155,8 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, replace
     except BaseException:  # apply leaves the model as it found it; a replaced patch goes back on
         if replaced is not None:
             patch(model, replaced.method, replaced.factor, **replaced.options)
+        else:
+            put_back_config()
         raise
     from .export import install_save_hook  # imports this module
 

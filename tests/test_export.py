@@ -112,6 +112,7 @@ def test_native_round_trip(tmp_path, cell):
     assert torch.equal(loaded(ids).logits, patched)
     ctxext.unpatch(loaded)
     assert torch.equal(loaded(original_ids).logits, unpatched)
+    assert not any(m.training for m in loaded.modules())  # loaded in eval mode, the restored table too
 
 
 def _no_native_cells():

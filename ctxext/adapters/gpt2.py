@@ -32,25 +32,23 @@ from ..core.spec import PatchSpec
 from ..methods.declaration import Kind
 from ..methods.positions import table_rule
 from .base import Adapter, Restore, declaration, run_all, undone_on_failure
+from .stand_in_table import StandInTable, put_back
 from .trainable_table import freeze_unused_weights, make_tables_trainable
 
 
-class PositionTable(nn.Module):
+class PositionTable(StandInTable):
     """Stands in for a patched ``wpe``: same ``weight`` parameter, lookups in the method's table (or zeros)."""
 
-    def __init__(self, original: nn.Embedding, table: torch.Tensor | None, method: str):
-        super().__init__()
-        self.weight = original.weight  # the original parameter, so the state dict is unchanged
-        self.method = method
-        self.embedding_dim = original.embedding_dim
-        self.register_buffer("table", table, persistent=False)
-        self.num_embeddings = table.shape[0] if table is not None else None
+    @property
+    def num_embeddings(self) -> int | None:
+        return self.table.shape[0] if self.table is not None else None
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
-        if self.table is None:  # position table bypassed
+        table = self.current_table()
+        if table is None:  # position table bypassed
             return self.weight.new_zeros(*position_ids.shape, self.embedding_dim)
-        index = position_ids.clamp(min=0, max=self.table.shape[0] - 1)
-        return F.embedding(index, self.table)
+        index = position_ids.clamp(min=0, max=table.shape[0] - 1)
+        return F.embedding(index, table)
 
     def extra_repr(self) -> str:
         rows = "none" if self.table is None else self.table.shape[0]
@@ -96,14 +94,9 @@ class GPT2Adapter(Adapter):
             owner = position_owner(model)
             original = owner.wpe
             rule = table_rule(declaration(spec))
-            if rule is not None:
-                with torch.no_grad():
-                    table = rule(original.weight, spec.factor)
-            else:
-                table = None
-            replacement = PositionTable(original, table, spec.method)
-            owner.wpe = replacement
-            undo.append(functools.partial(setattr, owner, "wpe", original))
+            derive = functools.partial(rule, factor=spec.factor) if rule is not None else None
+            owner.wpe = PositionTable(original, derive, spec.method)
+            undo.append(functools.partial(put_back, owner, "wpe", original))
             undo.append(_keep_n_ctx_in_step(model.config, spec))
             if declaration(spec).kind is Kind.BIAS:
                 undo.append(use_attention(model))
@@ -130,8 +123,8 @@ class GPT2Adapter(Adapter):
         baked = False
         for parent in list(model.modules()):
             for child_name, child in list(parent.named_children()):
-                if isinstance(child, PositionTable) and isinstance(child.table, torch.Tensor):
-                    table = child.table.detach().clone()
+                if isinstance(child, PositionTable) and isinstance(child.current_table(), torch.Tensor):
+                    table = child.current_table().detach().clone()
                     emb = nn.Embedding(table.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
                     emb.weight.data.copy_(table)
                     setattr(parent, child_name, emb)
@@ -178,7 +171,7 @@ def native_form(model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
     has_table = table_rule(declaration(spec)) is not None
     if check_only and has_table:
         return NativeForm({}, summary=f"wpe resized to {spec.patched_length} rows ({spec.method})")
-    if not has_table or not isinstance(wpe, PositionTable) or wpe.table is None:
+    if not has_table or not isinstance(wpe, PositionTable) or wpe.current_table() is None:
         raise NoNativeForm(
             f"method {spec.method!r} on GPT-2 (learned absolute) has no transformers-native form (a plain GPT-2 "
             "always adds a position table); only pi and extrapolate (a resized wpe) have one"
@@ -191,8 +184,9 @@ def native_form(model: nn.Module, spec: PatchSpec, *, check_only: bool = False):
 
     @contextlib.contextmanager
     def weights():
-        plain = nn.Embedding(wpe.table.shape[0], wpe.embedding_dim, device="meta")
-        plain.weight = nn.Parameter(wpe.table, requires_grad=False)
+        table = wpe.current_table()
+        plain = nn.Embedding(table.shape[0], wpe.embedding_dim, device="meta")
+        plain.weight = nn.Parameter(table, requires_grad=False)
         owner.wpe = plain
         try:
             yield
@@ -220,6 +214,7 @@ def restore_exported(model: nn.Module, tensors: dict[str, torch.Tensor], spec: P
     restored = nn.Embedding(original.shape[0], original.shape[1], device="meta")
     restored.weight = nn.Parameter(original.to(dtype=wpe.weight.dtype, device=wpe.weight.device),
                                    requires_grad=wpe.weight.requires_grad)
+    restored.train(wpe.training)
     owner.wpe = restored
     patched = getattr(config, length_attr, None)
     setattr(config, length_attr, original.shape[0])

@@ -87,5 +87,10 @@ def set_masks(model: nn.Module, length: int, undo: list[Restore]) -> None:
     for holder, kind in mask_layers(model):
         if kind not in shared:
             shared[kind] = causal_mask(length, kind, window, holder.bias.device)
-        undo.append(functools.partial(setattr, holder, "bias", holder.bias))
+        undo.append(functools.partial(_put_back_mask, holder, holder.bias))
         holder.bias = shared[kind]
+
+
+def _put_back_mask(holder: nn.Module, original: torch.Tensor) -> None:
+    """The original mask, on the device the model was moved to while patched."""
+    holder.bias = original.to(holder.bias.device)

@@ -33,6 +33,7 @@ from ..core.spec import PatchSpec
 from ..methods.declaration import Kind
 from ..methods.positions import table_rule
 from .base import Adapter, Restore, declaration, run_all, undone_on_failure
+from .stand_in_table import StandInTable, put_back
 from .trainable_table import freeze_unused_weights, make_tables_trainable
 
 NAME = "embed_positions"
@@ -40,18 +41,14 @@ NAME = "embed_positions"
 UNBOUNDED = 2**40
 
 
-class OffsetTable(nn.Module):
+class OffsetTable(StandInTable):
     """Stands in for a patched ``embed_positions``: same ``weight`` parameter, the original forward run on the
     method's table."""
 
-    def __init__(self, original: nn.Embedding, table: torch.Tensor, method: str, zeros: bool):
-        super().__init__()
-        self.weight = original.weight  # the original parameter, so the state dict is unchanged
-        self.method = method
+    def __init__(self, original: nn.Embedding, derive, method: str, zeros: bool):
+        super().__init__(original, derive, method)
         self.zeros = zeros  # one zero row seen at every position (the method keeps no table)
         self.offset = int(getattr(original, "offset", 0))
-        self.embedding_dim = original.embedding_dim
-        self.register_buffer("table", table, persistent=False)
         self.__dict__["original"] = original  # not a submodule: no second copy of the weight in the state dict
 
     @property
@@ -59,7 +56,8 @@ class OffsetTable(nn.Module):
         return UNBOUNDED if self.zeros else self.table.shape[0]
 
     def forward(self, *args, **kwargs):
-        table = self.table.expand(UNBOUNDED, -1) if self.zeros else self.table
+        table = self.current_table()
+        table = table.expand(UNBOUNDED, -1) if self.zeros else table
         return torch.func.functional_call(self.original, {"weight": table}, args, kwargs)
 
     def extra_repr(self) -> str:
@@ -92,15 +90,12 @@ def tables(model: nn.Module) -> list[tuple[nn.Module, nn.Module]]:
     return found
 
 
-def _method_table(original: nn.Embedding, spec: PatchSpec) -> torch.Tensor:
-    offset = int(getattr(original, "offset", 0))
-    weight = original.weight.detach()
+def _method_table(weight: torch.Tensor, offset: int, spec: PatchSpec) -> torch.Tensor:
     rule = table_rule(declaration(spec))
     if rule is None:  # nope / alibi: one zero row, seen at every position
         return weight.new_zeros(1, weight.shape[1])
-    with torch.no_grad():
-        rows = rule(weight[offset:], spec.factor or 1)
-        return torch.cat([weight[:offset], rows]).clone()
+    rows = rule(weight[offset:], spec.factor or 1)
+    return torch.cat([weight[:offset], rows]).clone()
 
 
 class OffsetTableAdapter(Adapter):
@@ -123,8 +118,9 @@ class OffsetTableAdapter(Adapter):
         with undone_on_failure() as undo:
             zeros = table_rule(declaration(spec)) is None
             for owner, original in tables(model):
-                setattr(owner, NAME, OffsetTable(original, _method_table(original, spec), spec.method, zeros))
-                undo.append(functools.partial(setattr, owner, NAME, original))
+                derive = functools.partial(_method_table, offset=int(getattr(original, "offset", 0)), spec=spec)
+                setattr(owner, NAME, OffsetTable(original, derive, spec.method, zeros))
+                undo.append(functools.partial(put_back, owner, NAME, original))
             if declaration(spec).kind is Kind.BIAS:
                 undo.append(use_attention(model))
         return functools.partial(run_all, undo)
@@ -184,8 +180,9 @@ class OffsetTableAdapter(Adapter):
         @contextlib.contextmanager
         def weights():
             for owner, patched in found:
-                plain = nn.Embedding(patched.table.shape[0], patched.embedding_dim, device="meta")
-                plain.weight = nn.Parameter(patched.table, requires_grad=False)
+                table = patched.current_table()
+                plain = nn.Embedding(table.shape[0], patched.embedding_dim, device="meta")
+                plain.weight = nn.Parameter(table, requires_grad=False)
                 setattr(owner, NAME, plain)
             try:
                 yield

@@ -60,7 +60,8 @@ def _diagonal_bias(slopes: torch.Tensor, last_query: int, length: int, dtype: to
     key, masked).
     """
     u = torch.arange(length, device=slopes.device)
-    row = -slopes[:, None] * (last_query - u).to(torch.float32)[None, :]
+    work = torch.promote_types(torch.float32, dtype)  # float32, or float64 for a float64 model (its min fits)
+    row = -slopes[:, None].to(work) * (last_query - u).to(work)[None, :]
     row = row.masked_fill(u[None, :] > last_query, torch.finfo(dtype).min)
     return row.clamp(min=torch.finfo(dtype).min).to(dtype).contiguous()
 
