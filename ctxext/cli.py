@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import signal
 import sys
 import threading
@@ -37,7 +38,16 @@ class Terminated(KeyboardInterrupt):
     goes, finished rows and checkpoints stay."""
 
 
+#: the process whose SIGTERM is handled as Ctrl-C; a child forked from it (lm-eval's bootstrap Pool workers) inherits
+#: the handler, and a pool ends its workers with SIGTERM: there it ends the process as Python's default does
+_HANDLER_PID: int | None = None
+
+
 def _raise_terminated(signum, frame):
+    if os.getpid() != _HANDLER_PID:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
     raise Terminated()
 
 
@@ -47,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     own_sigterm = (threading.current_thread() is threading.main_thread()
                    and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
     if own_sigterm:
+        global _HANDLER_PID
+        _HANDLER_PID = os.getpid()
         signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         return int(args.func(args) or 0)

@@ -77,6 +77,12 @@ CASES = [
     ("tasks-missing", "pretrained=LLAMA,method=pi,factor=2", None, "--tasks is required"),
     ("include-path-missing", "pretrained=LLAMA", ["--include_path", "MISSING"], "--include_path"),
     ("lm-eval-usage-error", "pretrained=LLAMA", ["--limit", "lots"], "--limit"),
+    ("max-length-not-a-number", "pretrained=LLAMA,method=yarn,factor=4,max_length=abc", [], "max_length=abc"),
+    ("max-length-negative", "pretrained=LLAMA,max_length=-5", [], "max_length=-5"),
+    # lm-eval pads a batch to its longest row without a mask: dynamic-ntk's per-sequence scale would follow the batch
+    ("dynamic-ntk-batched", "pretrained=LLAMA,method=dynamic-ntk,factor=4", ["--batch_size", "4"], "batch size 1"),
+    ("batch-size-twice", "pretrained=LLAMA,batch_size=2", ["--batch_size", "1"], "give --batch_size only"),
+    ("device-twice", "pretrained=LLAMA,device=cpu", ["--device", "cpu"], "give --device only"),
 ]
 
 
@@ -164,3 +170,33 @@ def test_python_api_factor_strings_become_numbers(models):
     checked = check_model_args({"pretrained": models["LLAMA"], "method": "yarn", "factor": "4", "beta_fast": "16"})
     assert checked == {"method": "yarn", "factor": 4.0, "options": {"beta_fast": 16.0}}
     assert check_model_args({"pretrained": models["LLAMA"], "method": "none"})["method"] is None
+
+
+def test_an_abbreviated_model_args_flag_is_checked_too(models, watch, capsys):
+    """argparse takes `--model_a` for `--model_args`; a key given twice there is refused as with the full flag."""
+    argv = ["lm-eval", "--model", "ctxext", "--model_a", f"pretrained={models['LLAMA']},method=yarn,factor=4,factor=8",
+            "--device", "cpu", "--output_path", str(watch), "--tasks", "ctxext_no_such_task"]
+    assert_refused(argv, capsys, watch, "factor")
+
+
+def test_an_output_path_that_is_a_file_is_refused_before_the_run(models, watch, capsys):
+    """lm-eval writes into a folder there; with a file in the way it found out after the whole run (exit 0)."""
+    mine = watch / "notes.txt"
+    mine.write_text("mine\n")
+    argv = _argv(models, "pretrained=LLAMA", [], watch)
+    argv[argv.index("--output_path") + 1] = str(mine)
+    assert_refused(argv, capsys, watch, "an existing file")
+    assert mine.read_text() == "mine\n"
+
+
+def test_a_model_object_is_patched_in_place_with_a_warning(models):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import ctxext
+    from ctxext.integrations.lm_eval import CtxextLM
+
+    model = AutoModelForCausalLM.from_pretrained(models["LLAMA"])
+    tokenizer = AutoTokenizer.from_pretrained(models["LLAMA"])
+    with pytest.warns(UserWarning, match="in place"):
+        lm = CtxextLM(pretrained=model, tokenizer=tokenizer, method="yarn", factor=4, device="cpu")
+    assert ctxext.describe(model)["method"] == "yarn" and lm.ctxext_spec == ctxext.describe(model)

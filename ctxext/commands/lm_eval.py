@@ -112,16 +112,22 @@ def _model_args_tokens(argv: list[str]) -> list[str]:
         arg = argv[i]
         if arg == "--":
             break
-        if arg in ("--model_args", "-a"):
+        if arg in ("--model_args", "-a") or _abbreviates_model_args(arg):
             i += 1
             while i < len(argv) and not argv[i].startswith("-"):
                 tokens.append(argv[i])
                 i += 1
             continue
-        if arg.startswith("--model_args="):
+        if "=" in arg and (arg.startswith("--model_args=") or _abbreviates_model_args(arg.split("=", 1)[0])):
             tokens.append(arg.split("=", 1)[1])
         i += 1
     return tokens
+
+
+def _abbreviates_model_args(arg: str) -> bool:
+    """``--model_a``, ``--model_arg``: argparse takes an unambiguous prefix of a long option (``--model`` itself is
+    the model type, an exact match)."""
+    return len(arg) > len("--model") and "--model_args".startswith(arg)
 
 
 def check_model_args_tokens(argv: list[str]) -> None:
@@ -157,7 +163,7 @@ def precheck(parsed) -> None:
     import logging
     from pathlib import Path
 
-    from ..integrations.lm_eval import check_model_args
+    from ..integrations.lm_eval import check_batch, check_model_args
 
     if not getattr(parsed, "tasks", None) and not getattr(parsed, "config", None):
         raise ValueError("--tasks is required, e.g. --tasks hellaswag (`ctxext lm-eval ls tasks` lists them)")
@@ -169,7 +175,7 @@ def precheck(parsed) -> None:
     except ImportError:  # pragma: no cover - lm-eval < 0.4.9 has no config object; check what the CLI gave
         model, model_args = getattr(parsed, "model", None), getattr(parsed, "model_args", None) or {}
         tasks, include = parsed.tasks, include
-        metadata = None
+        metadata, settings = None, parsed
     else:
         copy = argparse.Namespace(**{k: dict(v) if isinstance(v, dict) else v for k, v in vars(parsed).items()})
         quiet = io.StringIO()
@@ -185,20 +191,43 @@ def precheck(parsed) -> None:
         model, model_args = cfg.model, cfg.model_args or {}
         tasks, include = cfg.tasks, cfg.include_path
         metadata = cfg.metadata or {}  # merged: model_args | --metadata (and a --config's)
+        settings = cfg
     if model == "ctxext":
         if isinstance(model_args, str):
             from lm_eval.utils import simple_parse_args_string
 
             model_args = simple_parse_args_string(model_args)
         checked = check_model_args(model_args)
+        for key in ("batch_size", "max_batch_size", "device"):  # lm-eval passes its own as keywords too
+            if key in model_args and getattr(settings, key, None) is not None:
+                raise ValueError(f"model_args: {key}= is lm-eval's --{key} (given in both, the model type gets it "
+                                 f"twice); give --{key} only")
+        check_batch(checked["method"], model_args.get("batch_size", getattr(settings, "batch_size", None)))
         if checked["method"] is not None:
             check_fits(model_args, checked)
+    _check_output_path(getattr(settings, "output_path", None))
     check_tasks(tasks, include)  # last: on a cold cache it indexes lm-eval's task files
     if model == "ctxext" and metadata is not None and isinstance(model_args, dict):
         folder = ruler_tokenizer(model_args, tasks, metadata)
         if folder is not None:
             # the merged metadata (a --config's too: lm-eval lets the command line's replace it whole)
             parsed.metadata = {**metadata, "tokenizer": folder}
+
+
+def _check_output_path(value) -> None:
+    """lm-eval writes results into a folder (or a ``.json`` file path); an existing file there is found only after the
+    whole run, which then ends with exit 0 and no results."""
+    from pathlib import Path
+
+    if not value:
+        return
+    path = Path(str(value)).expanduser()
+    if path.exists() and not path.is_dir() and path.suffix != ".json":
+        raise ValueError(f"--output_path {value}: an existing file; lm-eval writes its results into a folder there "
+                         "(or to a path ending in .json)")
+    parent = next((q for q in path.absolute().parents if q.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"--output_path {value}: cannot be made, {parent} is a file")
 
 
 #: lm-eval's RULER tasks and group, which build their samples with a tokenizer of their own

@@ -7,6 +7,8 @@ ctxext fine-tune), ``method`` (``none`` for the unpatched model), ``factor``, th
 (e.g. ``beta_fast=32``), and any argument of lm-eval's ``hf`` model (``dtype``, ``batch_size``, ...).
 A directory saved from a patched model is re-patched as saved unless ``method`` says otherwise.
 ``max_length`` (how much context lm-eval gives the model) is the patched length, not the original config.
+A model object passed as ``pretrained`` is patched in place (lm-eval's hf model uses the object as it is), with a
+warning. A per-sequence method (``dynamic-ntk``) runs with batch size 1 only.
 
 Bad model_args are refused by :func:`check_model_args` before the model loads (``ctxext lm-eval`` runs the same
 check before lm-eval loads any task): unknown keys (neither ctxext's, nor arguments of lm-eval's ``hf`` model, of
@@ -28,6 +30,7 @@ import inspect
 import math
 import os
 import re
+import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -85,6 +88,7 @@ def check_model_args(model_args: Mapping[str, Any]) -> dict[str, Any]:
         unknown = _not_for_the_model(unknown, args)  # the model's config may take them
         if unknown:
             raise ValueError(_unknown_message(unknown, args))
+    _check_max_length(args.get("max_length"))
     checked = _check_patch(args.get("method"), args.get("factor"), {k: args[k] for k in args if k in OPTION_NAMES})
     if local:
         _check_pretrained(args)
@@ -272,6 +276,30 @@ def check_dtype(key: str, value: Any) -> None:
                      f"{', '.join(accepted)}")
 
 
+def _check_max_length(value: Any) -> None:
+    """``max_length`` (the context lm-eval gives the model): a whole number of tokens, at least 1."""
+    if value is None:
+        return
+    try:
+        number = int(str(value).strip()) if not isinstance(value, bool) else None
+    except ValueError:
+        number = None
+    if number is None or number < 1:
+        raise ValueError(f"model_args: max_length={value} must be a whole number of tokens, at least 1 (the context "
+                         "lm-eval gives the model; without it: the patched length)")
+
+
+def check_batch(method: str | None, batch_size: Any) -> None:
+    """A method whose frequencies follow each sequence's length (dynamic-ntk) needs one sequence per batch: lm-eval's
+    hf model right-pads a batch to its longest row and passes no attention mask for loglikelihoods, so the scale (and
+    every score) would depend on which requests share the batch."""
+    if method is None or not getattr(METHODS.get(method), "per_sequence", False):
+        return
+    if batch_size is not None and str(batch_size).strip() not in ("1", "1.0"):
+        raise ValueError(f"{method} scales its frequencies by each sequence's length, and lm-eval pads a batch to "
+                         f"its longest row: scores would depend on the batch; use batch size 1 (got {batch_size})")
+
+
 def _check_patch(method: Any, factor: Any, options: dict[str, Any]) -> dict[str, Any]:
     if method is None or (isinstance(method, str) and method.strip().lower() == "none"):
         if factor is not None:
@@ -321,6 +349,11 @@ class CtxextLM(HFLM):
         options = checked["options"]
         for key in options:
             kwargs.pop(key)
+        check_batch(checked["method"], kwargs.get("batch_size"))
+        if checked["method"] is not None and isinstance(pretrained, torch.nn.Module):
+            # HFLM evaluates a model object as it is, so the patch lands on the caller's object
+            warnings.warn(f"CtxextLM patches the model object passed as pretrained= in place ({checked['method']}); "
+                          "call ctxext.unpatch(model) afterwards, or pass a copy", UserWarning, stacklevel=2)
         if device is None or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             # lm-eval passes its --device default (cuda:0) even on machines without CUDA
             device = "cuda" if torch.cuda.is_available() else "cpu"
