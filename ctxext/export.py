@@ -169,7 +169,7 @@ def export(model: nn.Module, out: str | os.PathLike, *, tokenizer: Any = None, o
     import shutil
     import tempfile
 
-    from .core.outputs import check_replaceable_folder
+    from .core.outputs import check_replaceable_folder, give_default_mode
 
     form = native_form(model)
     out = Path(out)
@@ -179,6 +179,7 @@ def export(model: nn.Module, out: str | os.PathLike, *, tokenizer: Any = None, o
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
+        give_default_mode(tmp, folder=True)
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)

@@ -5,6 +5,7 @@ ctxext.from_pretrained; ctxext.from_pretrained reports the patch either way and 
 from __future__ import annotations
 
 import json
+import os
 import warnings
 from pathlib import Path
 
@@ -283,6 +284,9 @@ def test_cli_export_and_overwrite(tmp_path, llama_dir, capsys):
     assert main(["export", str(llama_dir), "--method", "pi", "--factor", "2", "--out", str(out), "--overwrite"]) == 0
     assert _rope(json.loads((out / "config.json").read_text()))["rope_type"] == "linear"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temporary folder left
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask  # as mkdir makes it (not the temporary folder's 0700)
 
 
 def test_cli_export_gpt2_keeps_the_original_table(tmp_path, capsys):
@@ -342,3 +346,12 @@ def test_cli_export_refuses_sources_and_outputs(tmp_path, llama_dir, capsys):
     assert_refused(["export", scaled, *ok, "--out", tmp_path / "o3"], capsys, tmp_path,
                    "rope_type 'dynamic', which recomputes its frequencies")
     assert tree_digest(out) == {"keep.txt": tree_digest(out)["keep.txt"]}
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "to_out").symlink_to(out)
+    for link in ("dangling", "to_out"):
+        for extra in ([], ["--overwrite"]):
+            assert_refused(["export", llama_dir, *ok, "--out", tmp_path / link, *extra], capsys, tmp_path,
+                           "is a link")
+    assert_refused(["export", llama_dir, *ok, "--out", out / "keep.txt" / "x"], capsys, tmp_path,
+                   "keep.txt is a file, not a folder")
+    assert not (tmp_path / "nowhere").exists()

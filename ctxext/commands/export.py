@@ -58,10 +58,13 @@ def _options(method: str, pairs: list[str] | None) -> dict[str, str]:
 
 def _check_out(out: Path, source: str, overwrite: bool) -> None:
     from ..export import is_export_folder
-    from ..core.outputs import check_replaceable_folder, never_replaced
+    from ..core.outputs import check_replaceable_folder, check_writable_folder, never_replaced
 
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder")
+    if out.is_symlink():  # ctxext writes a folder it can later replace whole; a link's target is not its to replace
+        raise ValueError(f"--out {out} is a link; ctxext replaces only folders it wrote: give a new folder")
+    check_writable_folder(out, "--out")  # a file on the way: said before the weights load
     reason = never_replaced(out) if overwrite else None
     if reason:  # said before the check below, which every folder holding the model (/ included) would meet first
         raise ValueError(f"--out {out} is {reason}; ctxext never replaces it: give a new folder")

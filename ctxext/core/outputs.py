@@ -186,6 +186,14 @@ class OutputLock:
         self.release()
 
 
+def give_default_mode(path: str | os.PathLike, folder: bool) -> None:
+    """``tempfile.mkdtemp`` / ``mkstemp`` create 0700 / 0600 (private on purpose); what is renamed into place as a
+    result gets the mode ``mkdir`` / ``open`` would have given it (a serving engine under another account reads it)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if folder else 0o666) & ~mask)
+
+
 def check_writable_folder(path: str | os.PathLike, flag: str) -> None:
     """Raise ValueError unless ``path`` is a folder ctxext can create files in, or one it can make. The nearest
     existing folder on the way (``path`` itself when it exists) is probed by creating and removing a temporary file
