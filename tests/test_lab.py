@@ -65,7 +65,7 @@ def test_existing_result_is_not_overwritten(lab_out, monkeypatch):
 
 
 def test_overwrite_replaces_the_result(tmp_path):
-    (tmp_path / "lab.json").write_text("{}")
+    (tmp_path / "lab.json").write_text(json.dumps({"settings": dataclasses.asdict(TINY)}))  # an earlier run's
     run_lab(dataclasses.replace(TINY, steps=1, factors=(1,)), ["nope"], tmp_path, overwrite=True, plot=False,
             progress=False)
     assert json.loads((tmp_path / "lab.json").read_text())["schemes"] == ["nope"]

@@ -1,4 +1,4 @@
-"""Atomic writes and the never-overwrite rule for the lab's output folder."""
+"""Atomic writes and the never-overwrite rule for the lab's output folder, which holds only a lab run."""
 
 from __future__ import annotations
 
@@ -7,6 +7,14 @@ import os
 import tempfile
 from pathlib import Path
 
+from ..core.outputs import give_default_mode
+
+#: Files whose presence marks a folder as a lab run: written before the first model is trained (models/, by
+#: ``ctxext lab``; shift-models/, by ``lab shift`` training its own), or at the end of a run (lab.json, shift.json).
+RUN_MARKERS = ("models/settings.json", "shift-models/settings.json", "lab.json", "shift.json")
+#: What ``ctxext lab`` writes, apart from models/<scheme>.pt: removed before an --overwrite run trains anything.
+LAB_FILES = ("lab.json", "lab.md", "lab.png", "models/settings.json")
+
 
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Write ``path`` via a temporary file in the same folder and ``os.replace``: never a half-written file."""
@@ -14,6 +22,7 @@ def write_atomic(path: Path, data: bytes | str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        give_default_mode(tmp, folder=False)  # mkstemp makes it 0600
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)
         os.replace(tmp, path)
@@ -32,3 +41,35 @@ def check_not_finished(out: Path, name: str, overwrite: bool) -> None:
     target = Path(out) / name
     if target.exists() and not overwrite:
         raise ValueError(f"{target} already holds a finished result; pass --overwrite to replace it or choose another --out")
+
+
+def _is_marker(path: Path) -> bool:
+    """A JSON file the lab wrote: each marker records the run's settings."""
+    try:
+        return isinstance(json.loads(path.read_text(encoding="utf-8")).get("settings"), dict)
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def check_lab_folder(out: Path) -> None:
+    """Refuse (ValueError) a folder that holds files but no lab run: a run would replace the user's lab.md, lab.png
+    or models/*.pt of the same name. A missing or empty folder is fine. Touches nothing."""
+    out = Path(out)
+    if not out.is_dir() or any(_is_marker(out / name) for name in RUN_MARKERS):
+        return
+    held = sorted(p.name + ("/" if p.is_dir() else "") for p in out.iterdir())
+    if held:
+        listed = ", ".join(held[:4]) + (f" and {len(held) - 4} more" if len(held) > 4 else "")
+        raise ValueError(f"--out {out} holds files that are not a ctxext lab run ({listed}); a run writes lab.json, "
+                         "lab.md, lab.png and models/ there and would replace files of the same name: give a new or "
+                         "empty folder")
+
+
+def clear_lab_run(out: Path, schemes) -> None:
+    """Remove an earlier lab run's results and models (lab.json first: a run cut short never looks finished), so
+    that nothing of it is left beside the new run's files. Files that are not the lab's stay."""
+    out = Path(out)
+    for name in LAB_FILES:
+        (out / name).unlink(missing_ok=True)
+    for scheme in schemes:
+        (out / "models" / f"{scheme}.pt").unlink(missing_ok=True)

@@ -17,7 +17,7 @@ import torch
 
 from ..core.outputs import check_writable_folder
 from .data import COPY_RANGE, corpus
-from .io import check_not_finished, write_atomic, write_json
+from .io import check_lab_folder, check_not_finished, clear_lab_run, write_atomic, write_json
 from .model import ModelConfig, build_model
 from .positions import DEFAULT_SCHEMES, SCHEMES
 from .train import evaluate, train_model
@@ -182,10 +182,15 @@ def run_lab(settings: LabSettings, schemes, out, *, overwrite=False, plot=True, 
     schemes = parse_schemes(schemes if isinstance(schemes, str) else ",".join(schemes))
     out = Path(out)
     check_writable_folder(out, "--out")  # before training: the models and results must have somewhere to go
+    check_lab_folder(out)
     check_not_finished(out, "lab.json", overwrite)
     t0 = time.perf_counter()
     train, held = corpus()
     _log(f"lab: corpus {len(train)} training / {len(held)} held-out tokens ({time.perf_counter() - t0:.0f}s)", progress)
+    # the earlier run goes before the first new model lands: `lab shift` must never pair its settings with new
+    # models, nor reuse a model of a scheme this run does not train; settings.json then marks the folder a lab run
+    clear_lab_run(out, SCHEMES)
+    write_json(out / "models" / "settings.json", {"settings": dataclasses.asdict(settings), "schemes": schemes})
     results = {}
     for scheme in schemes:
         model, loss, secs = train_scheme(scheme, settings, train)
@@ -212,7 +217,6 @@ def run_lab(settings: LabSettings, schemes, out, *, overwrite=False, plot=True, 
                        "NOPE_COPY_MIN": NOPE_COPY_MIN},
         "wall_seconds": time.perf_counter() - t0,
     }
-    write_json(out / "models" / "settings.json", {"settings": doc["settings"], "schemes": schemes})
     write_atomic(out / "lab.md", format_table(doc, markdown=True) + "\n\n" + "\n".join(f"- {v}" for v in doc["verdicts"]) + "\n")
     if plot:
         from .plot import plot_lab

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import pickle
 import sys
 import time
 from pathlib import Path
@@ -15,7 +16,7 @@ import torch
 
 from ..core.outputs import check_writable_folder
 from .data import corpus, eval_windows
-from .io import check_not_finished, write_atomic, write_json
+from .io import check_lab_folder, check_not_finished, write_atomic, write_json
 from .model import build_model
 from .run import (
     FULL,
@@ -43,7 +44,7 @@ def default_window(settings: LabSettings) -> int:
 
 
 def default_offsets(settings: LabSettings, window: int) -> list[int]:
-    top = settings.train_len - window
+    top = max(0, settings.train_len - window)  # a window past the training length: no negative offset
     return sorted({0, *[k for k in (16, 32, 64) if k < top], top})
 
 
@@ -67,6 +68,13 @@ def check_offsets(settings: LabSettings, schemes, window: int, offsets) -> None:
                          f"rows; use offsets <= {settings.train_len - window}")
 
 
+def check_window_fits(window: int, held: torch.Tensor) -> None:
+    """Refuse a window the held-out text cannot fill once (each window reads ``window`` + 1 tokens), before training."""
+    if window + 1 > len(held):
+        raise ValueError(f"--window {window} is longer than the held-out text ({len(held)} tokens); the longest "
+                         f"window that fits is {len(held) - 1}")
+
+
 def shift_perplexities(model, windows: torch.Tensor, offsets) -> list[dict]:
     out = []
     for k in offsets:
@@ -75,18 +83,33 @@ def shift_perplexities(model, windows: torch.Tensor, offsets) -> list[dict]:
     return out
 
 
+def lab_schemes(out: Path) -> list[str]:
+    """The schemes whose models the lab run in ``out`` saved: those its settings.json lists and whose file is there
+    (a models/*.pt it does not list is another run's)."""
+    meta = json.loads((Path(out) / "models" / "settings.json").read_text())
+    return [s for s in meta.get("schemes", []) if model_path(out, s).exists()]
+
+
+def _load_model(settings: LabSettings, out: Path, scheme: str):
+    path, meta = model_path(out, scheme), Path(out) / "models" / "settings.json"
+    model = build_model(settings.model_config(), scheme, seed=settings.seed)
+    try:
+        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as exc:
+        lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+        why = lines[1] if len(lines) > 1 else (lines[0] if lines else type(exc).__name__)  # the first mismatch
+        raise ValueError(f"{path} does not match the settings in {meta} ({why}); rerun `ctxext lab --overwrite "
+                         f"--out {out}`, or pass --steps N to train new models") from None
+    return model.eval()
+
+
 def load_lab_models(out: Path, schemes):
     """The lab's saved models under ``out/models`` (and their settings), or None when any is missing."""
     meta = Path(out) / "models" / "settings.json"
-    if not meta.exists() or not all(model_path(out, s).exists() for s in schemes):
+    if not meta.exists() or not set(schemes) <= set(lab_schemes(out)):
         return None
     settings = LabSettings.from_dict(json.loads(meta.read_text())["settings"])
-    models = {}
-    for s in schemes:
-        m = build_model(settings.model_config(), s, seed=settings.seed)
-        m.load_state_dict(torch.load(model_path(out, s), map_location="cpu", weights_only=True))
-        models[s] = m.eval()
-    return settings, models
+    return settings, {s: _load_model(settings, out, s) for s in schemes}
 
 
 def shift_verdicts(results: dict) -> list[str]:
@@ -132,11 +155,12 @@ def run_shift(out, *, quick=False, schemes=None, offsets=None, window=None, n_wi
         raise ValueError(f"--windows must be positive, got {n_windows}")
     out = Path(out)
     check_writable_folder(out, "--out")  # before training: the models and results must have somewhere to go
+    check_lab_folder(out)
     check_not_finished(out, "shift.json", overwrite)
     asked = settings is not None or steps is not None  # new models asked for, rather than the lab's reused
     loaded = load_lab_models(out, schemes) if not asked else None
     if loaded is None and settings is None and steps is None and (out / "models" / "settings.json").exists():
-        have = sorted(p.stem for p in (out / "models").glob("*.pt"))
+        have = sorted(lab_schemes(out))
         raise ValueError(f"the lab models in {out / 'models'} are {', '.join(have) or 'none'}; they lack "
                          f"{', '.join(s for s in schemes if s not in have)}: pass --schemes from those, or "
                          f"--steps N to train new models")
@@ -148,9 +172,12 @@ def run_shift(out, *, quick=False, schemes=None, offsets=None, window=None, n_wi
             settings = dataclasses.replace(settings, steps=steps)
         settings.check()
         models = None
-    window = window or default_window(settings)
+    window = default_window(settings) if window is None else window  # 0 is refused below, not the default
     offsets = offsets or default_offsets(settings, window)
     check_offsets(settings, schemes, window, offsets)
+    t0 = time.perf_counter()
+    train, held = corpus()
+    check_window_fits(window, held)
     if models is None and progress:  # say so before minutes of training, not after
         if steps is not None:
             why = "--steps was given, so it trains new models"
@@ -163,9 +190,10 @@ def run_shift(out, *, quick=False, schemes=None, offsets=None, window=None, n_wi
         print(f"lab shift: {why}: {len(schemes)} models ({', '.join(schemes)}) x {settings.steps} steps at "
               f"training length {settings.train_len}, {about(estimated_train_seconds(settings, len(schemes)))} on 2 "
               f"idle CPU cores, saved in {out / 'shift-models'}{reuse}", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    train, held = corpus()
     if models is None:
+        # marks the folder a lab run before the first model lands (an interrupted run may be rerun there)
+        write_json(out / "shift-models" / "settings.json", {"settings": dataclasses.asdict(settings),
+                                                             "schemes": schemes})
         models = {}
         for s in schemes:
             models[s], loss, secs = train_scheme(s, settings, train)
