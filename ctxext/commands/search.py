@@ -69,14 +69,14 @@ def _check_out(out: Path, source: str, resume: bool, overwrite: bool) -> None:
 
 
 def run_search(args) -> int:
-    import shutil
-
     from ..commands.export import _source
+    from ..core.outputs import OutputLock
     from ..data.sources import check_source
     from ..evaluation.device import resolve_dtype
+    from ..evaluation.fingerprint import model_fingerprint
     from ..evaluation.models import load_tokenizer
-    from ..loading import from_pretrained, model_skeleton
-    from ..search import SearchSettings, longrope_search
+    from ..loading import model_skeleton
+    from ..search import SearchSettings
     from ..search.longrope import check_search
 
     settings = SearchSettings(factor=args.factor, budget=args.budget, minutes=args.minutes,
@@ -91,15 +91,48 @@ def run_search(args) -> int:
     tokenizer = load_tokenizer(source, **kwargs)
     tokens, data_label = _calibration_tokens(tokenizer, args.data)
     check_search(model_skeleton(source, **kwargs), tokens, settings, args.max_windows)  # before the weights load
-    model = from_pretrained(source, dtype=dtype, **kwargs).eval()
-    if args.overwrite and out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
-    describe = {"model": args.model, "gguf_file": args.gguf_file, "data": data_label, "dtype": args.dtype}
-    result = longrope_search(model, tokens, settings, out, tokenizer=tokenizer, max_windows=args.max_windows,
-                             resume=args.resume, progress=not args.no_progress, describe=describe)
+    describe = {"model": args.model, "gguf_file": args.gguf_file, "data": data_label, "dtype": args.dtype,
+                "model_files": model_fingerprint({"model": source, "gguf_file": args.gguf_file})}
+    with OutputLock(out, "--out"):  # one writer, from before the load to the checkpoint's move into place
+        _check_out(out, source, args.resume, args.overwrite)  # again: another run may have written it meanwhile
+        result = _search_into(args, out, source, dtype, kwargs, tokens, settings, tokenizer, describe)
     print(format_result(result, out))
     return 0
+
+
+def _search_into(args, out: Path, source: str, dtype, kwargs, tokens, settings, tokenizer, describe) -> dict:
+    """Run the search into ``out``. With ``--overwrite`` and an earlier search there, the new one runs in a folder
+    beside ``out`` that replaces it only once its checkpoint is complete: a failed or interrupted run leaves the
+    earlier result as it was."""
+    import os
+    import shutil
+    import tempfile
+
+    from ..core.outputs import give_default_mode
+    from ..loading import from_pretrained
+    from ..search import longrope_search
+    from ..search.longrope import SearchIncomplete
+
+    model = from_pretrained(source, dtype=dtype, **kwargs).eval()
+    replace = args.overwrite and out.exists() and any(out.iterdir())
+    if not replace:
+        out.mkdir(parents=True, exist_ok=True)
+        return longrope_search(model, tokens, settings, out, tokenizer=tokenizer, max_windows=args.max_windows,
+                               resume=args.resume, progress=not args.no_progress, describe=describe)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        give_default_mode(staging, folder=True)  # it becomes --out: not mkdtemp's 0700
+        result = longrope_search(model, tokens, settings, staging, tokenizer=tokenizer,
+                                 max_windows=args.max_windows, resume=False, progress=not args.no_progress,
+                                 describe=describe)
+        shutil.rmtree(out)
+        os.replace(staging, out)
+    except SearchIncomplete as exc:
+        raise SearchIncomplete(f"{exc.reason}; --out {out} still holds the earlier search, unchanged") from None
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return result
 
 
 def _calibration_tokens(tokenizer, data: str | None):

@@ -87,6 +87,12 @@ class ScoreLog:
             if _comparable(first.get("settings")) != _comparable(header.get("settings")):
                 raise ValueError(f"cannot resume {self.path}: it was written with other settings "
                                  f"({first.get('settings')}); start over with --overwrite")
+            logged_files = (first.get("settings") or {}).get("model_files")
+            files = (header.get("settings") or {}).get("model_files")
+            if logged_files is not None and files is not None and logged_files != files:
+                raise ValueError(f"cannot resume {self.path}: the model at {header['settings'].get('model')} is not "
+                                 "the one the search began with (its config.json or weight files differ); start over "
+                                 "with --overwrite")
             for line in lines[1:]:
                 try:
                     rec = json.loads(line)
@@ -120,7 +126,8 @@ def _comparable(settings: Any) -> Any:
     if not isinstance(settings, dict):
         return settings
     search = {k: v for k, v in (settings.get("search") or {}).items() if k not in ("budget", "minutes")}
-    return {**settings, "search": search}
+    rest = {k: v for k, v in settings.items() if k != "model_files"}  # compared on its own (older logs lack it)
+    return {**rest, "search": search}
 
 
 def _parses(line: str) -> bool:

@@ -36,6 +36,15 @@ RESULT = "search.json"
 MARKER = ".ctxext-search.json"
 
 
+class SearchIncomplete(ValueError):
+    """The search ended before it produced a result for the final factor (the budget or the clock ran out): no
+    checkpoint is written; the log is kept for ``resume``. ``reason``: the message without the note on the log."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
+
+
 def is_search_folder(folder: Path) -> bool:
     """Whether ``folder`` holds a ctxext search and nothing but the files its marker lists (or only its log)."""
     folder = Path(folder)
@@ -63,9 +72,17 @@ def check_search(model: nn.Module, tokens: torch.Tensor, settings: SearchSetting
     """Every check that needs no scoring; returns the trained length. ``PatchError`` / ``ValueError`` with the reason."""
     length = trained_length(model)
     plain_rope_inputs(model, length)
-    target = max(int(round(stage * length)) for stage in settings.stages())
+    stages = settings.stages()
+    target = max(int(round(stage * length)) for stage in stages)
     if max_windows < 1:
         raise ValueError(f"--max-windows must be at least 1, got {max_windows}")
+    if len(stages) > 1:  # each earlier stage takes at least its starting points and one more (evolution.search)
+        inputs = plain_rope_inputs(model, length)
+        needed = sum(len(start_points(inputs, stage)) + 1 for stage in stages[:-1]) + 1
+        if settings.budget < needed:
+            raise ValueError(f"--progressive: --budget {settings.budget} cannot reach the last stage "
+                             f"(x{stages[-1]:g}) through stages {', '.join(f'x{s:g}' for s in stages[:-1])}: it "
+                             f"needs at least {needed} candidates; raise --budget or drop --progressive")
     if tokens.numel() < target:
         raise ValueError(f"the calibration text has {tokens.numel()} tokens, fewer than one window at the target "
                          f"length {target} (factor {settings.factor:g} x {length}); give more --data")
@@ -109,8 +126,17 @@ def longrope_search(model: nn.Module, tokens: torch.Tensor, settings: SearchSett
         result = search(score, lambda stage: start_points(inputs, stage), settings, log, step)
     finally:
         bar.close()
+    final = settings.stages()[-1]
     if "best" not in result:
-        raise RuntimeError("the search scored no candidate (budget or time too small)")
+        raise SearchIncomplete("the search scored no candidate: "
+                               + ("--minutes ran out before the first score" if result.get("out_of_time")
+                                  else "the budget allowed none") + "; no checkpoint written")
+    if result["stage"] != final:
+        why = "--minutes" if result.get("out_of_time") else "--budget"
+        reason = (f"--progressive: the search ran out of {why} at stage x{result['stage']:g} and never reached the "
+                  f"final factor x{final:g}; no checkpoint written (its factors would not be the x{final:g} ones)")
+        raise SearchIncomplete(f"{reason}. The log in {out} is kept: continue with --resume and a larger {why}",
+                               reason)
     changes = native_changes(model.config, inputs, result["best"], settings.factor)
     verify_native(model, inputs, result["best"], settings.factor, changes)
     result.update(trained_length=length, target_length=int(round(settings.factor * length)),
@@ -154,4 +180,4 @@ def _write_checkpoint(model: nn.Module, changes: dict[str, Any], out: Path, toke
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["LOG", "MARKER", "RESULT", "check_search", "is_search_folder", "longrope_search", "trained_length"]
+__all__ = ["LOG", "MARKER", "RESULT", "SearchIncomplete", "check_search", "is_search_folder", "longrope_search", "trained_length"]
