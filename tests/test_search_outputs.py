@@ -103,3 +103,42 @@ def test_resume_refuses_another_model_at_the_same_path(tmp_path, capsys):
     save_tiny_llama(tmp_path / "llama", seed=1)  # other weights under the same path
     assert main(_args(model, out, "--resume")) == 2
     assert "is not the one the search began with" in capsys.readouterr().err
+
+
+def _no_weights(monkeypatch):
+    def no_load(*a, **k):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr("ctxext.loading.from_pretrained", no_load)
+
+
+@pytest.fixture
+def weights_never_load(monkeypatch):
+    _no_weights(monkeypatch)
+
+
+def test_outputs_that_cannot_be_a_folder_are_refused_before_loading(model_dir, tmp_path, capsys, weights_never_load):
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")
+    (tmp_path / "afile").write_text("mine\n")
+    for out, said in ((tmp_path / "dangling", "is a link"), (tmp_path / "afile" / "x", "afile is a file")):
+        assert main(_args(model_dir, out)) == 2
+        assert said in capsys.readouterr().err
+    assert not (tmp_path / "nowhere").exists() and (tmp_path / "afile").read_text() == "mine\n"
+
+
+def test_a_factor_that_does_not_pass_the_trained_length_is_refused(model_dir, tmp_path, capsys, weights_never_load):
+    """transformers' longrope uses short_factor up to the trained length: long factors searched there are never used."""
+    out = tmp_path / "search"
+    args = _args(model_dir, out)
+    args[args.index("--factor") + 1] = "1.005"
+    assert main(args) == 2
+    assert "not past it" in capsys.readouterr().err and not out.exists()
+
+
+def test_a_checkpoint_saved_patched_is_refused_before_loading(model_dir, tmp_path, capsys, monkeypatch):
+    exported = tmp_path / "exported"
+    assert main(["export", str(model_dir), "--method", "ntk", "--factor", "4", "--out", str(exported)]) == 0
+    capsys.readouterr()
+    _no_weights(monkeypatch)
+    assert main(_args(exported, tmp_path / "search")) == 2
+    assert "saved from a model patched by ctxext (ntk x4" in capsys.readouterr().err

@@ -39,7 +39,7 @@ def register(sub) -> None:
                    "seeded by the one before (LongRoPE's progressive extension)")
     q.add_argument("--max-windows", type=int, default=2, help="windows of the target length scored per candidate")
     q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--dtype", default="float32", help="dtype to score in: float32 (default), bfloat16, float16")
+    q.add_argument("--dtype", default="float32", help="dtype to score in and to save the checkpoint in: float32 (default), bfloat16, float16")
     q.add_argument("--resume", action="store_true", help="continue the search whose log is in --out")
     q.add_argument("--overwrite", action="store_true", help="replace a folder an earlier search wrote")
     q.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -47,13 +47,16 @@ def register(sub) -> None:
 
 
 def _check_out(out: Path, source: str, resume: bool, overwrite: bool) -> None:
-    from ..core.outputs import check_replaceable_folder
+    from ..core.outputs import check_replaceable_folder, check_writable_folder
     from ..search.longrope import LOG, is_search_folder
 
     if resume and overwrite:
         raise ValueError("--resume continues the search in --out, --overwrite replaces it: give one")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a folder")
+    if out.is_symlink():  # a folder the search may later replace whole; a link's target is not its to replace
+        raise ValueError(f"--out {out} is a link; give the folder's own path")
+    check_writable_folder(out, "--out")  # a file on the way: said before the weights load
     source_path = Path(source).expanduser()
     if source_path.exists() and out.resolve() in (source_path.resolve(), *source_path.resolve().parents):
         raise ValueError(f"--out {out} would write into the model it reads ({source}); choose another folder")
@@ -75,7 +78,7 @@ def run_search(args) -> int:
     from ..evaluation.device import resolve_dtype
     from ..evaluation.fingerprint import model_fingerprint
     from ..evaluation.models import load_tokenizer
-    from ..loading import model_skeleton
+    from ..loading import load_config, model_skeleton
     from ..search import SearchSettings
     from ..search.longrope import check_search
 
@@ -90,6 +93,7 @@ def run_search(args) -> int:
     kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
     tokenizer = load_tokenizer(source, **kwargs)
     tokens, data_label = _calibration_tokens(tokenizer, args.data)
+    _check_unpatched(args.model, load_config(source, **kwargs))
     check_search(model_skeleton(source, **kwargs), tokens, settings, args.max_windows)  # before the weights load
     describe = {"model": args.model, "gguf_file": args.gguf_file, "data": data_label, "dtype": args.dtype,
                 "model_files": model_fingerprint({"model": source, "gguf_file": args.gguf_file})}
@@ -98,6 +102,19 @@ def run_search(args) -> int:
         result = _search_into(args, out, source, dtype, kwargs, tokens, settings, tokenizer, describe)
     print(format_result(result, out))
     return 0
+
+
+def _check_unpatched(model: str, config) -> None:
+    """A folder saved from a ctxext-patched model (or exported natively) loads patched; the search starts from the
+    model's own positions, so it is refused here, before the weights load."""
+    from ..core.errors import PatchError
+    from ..core.spec import CONFIG_KEY
+
+    saved = getattr(config, CONFIG_KEY, None)
+    if isinstance(saved, dict):
+        raise PatchError(f"MODEL {model} was saved from a model patched by ctxext ({saved.get('method')} x"
+                         f"{saved.get('factor')}); the search starts from the unpatched model: give the model it was "
+                         "made from")
 
 
 def _search_into(args, out: Path, source: str, dtype, kwargs, tokens, settings, tokenizer, describe) -> dict:

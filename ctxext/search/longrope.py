@@ -73,6 +73,11 @@ def check_search(model: nn.Module, tokens: torch.Tensor, settings: SearchSetting
     length = trained_length(model)
     plain_rope_inputs(model, length)
     stages = settings.stages()
+    for stage in stages:  # transformers' longrope uses short_factor up to the trained length, long_factor past it
+        if int(round(stage * length)) <= length:
+            raise ValueError(f"factor {stage:g} x the trained length {length} is {int(round(stage * length))} "
+                             "tokens, not past it: the long factors searched would never be used; give a larger "
+                             "--factor")
     target = max(int(round(stage * length)) for stage in stages)
     if max_windows < 1:
         raise ValueError(f"--max-windows must be at least 1, got {max_windows}")
