@@ -222,6 +222,13 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
                 f"adapter {adapter_dir} was trained with {spec.method} x{spec.factor}, "
                 f"but the model is patched with {active['method']} x{active['factor']}"
             )
+        elif active["options"] != spec.options:
+            differ = sorted(k for k in set(active["options"]) | set(spec.options)
+                            if active["options"].get(k) != spec.options.get(k))
+            raise PatchError(
+                f"adapter {adapter_dir} was trained with {spec.method} x{spec.factor} and other options: "
+                + ", ".join(f"{k}={spec.options.get(k)!r} (the model: {active['options'].get(k)!r})" for k in differ)
+            )
     try:
         from peft import PeftModel
     except ImportError as exc:  # pragma: no cover - peft is a declared extra

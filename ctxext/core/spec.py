@@ -56,6 +56,29 @@ class PatchSpec:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "PatchSpec":
+        """A spec read back from a saved config (or ``ctxext_patch.json``); a block edited by hand or damaged is a
+        PatchError naming the field, never a spec that silently patches differently. Keys it does not know (the
+        save mark's own) are left to their readers."""
+        from .errors import PatchError
+
+        if not isinstance(data, dict):
+            raise PatchError(f"a saved ctxext patch spec must be a mapping, got {type(data).__name__}")
+        missing = [k for k in ("method", "factor", "original_length") if k not in data]
+        if missing:
+            raise PatchError(f"the saved ctxext patch spec lacks {', '.join(missing)} (it holds "
+                             f"{', '.join(sorted(map(str, data))) or 'nothing'}); save the patched model again")
+        checks = {
+            "method": lambda v: isinstance(v, str) and v.strip() != "",
+            "factor": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)),
+            "options": lambda v: isinstance(v, dict),
+            "family": lambda v: isinstance(v, str),
+            "original_length": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+            "patched_length": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
+        }
+        for key, fits in checks.items():
+            if key in data and not fits(data[key]):
+                raise PatchError(f"the saved ctxext patch spec has {key}={data[key]!r}, which no patch writes; "
+                                 "save the patched model again")
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         return cls(**known)
 
@@ -111,6 +134,10 @@ def mark_config_dict(config_dict: dict[str, Any], live: dict[str, Any] | None = 
         return config_dict
     if NATIVE_KEY in block:
         return native_config_dict(config_dict, live if live is not None else config_dict)
+    if block.get(SAVED_AS_KEY) == "native":
+        # a native export loaded by plain transformers and saved again: still that native checkpoint (marking it
+        # would record its already-scaled RoPE as the original, and a reload would apply the patch twice)
+        return config_dict
     data = dict(config_dict)
     block = dict(block)
     before = block.pop(REPLACED_KEY, None) or {}  # a config loaded marked (class-specific load) and saved again
@@ -149,7 +176,13 @@ def unmark_config_dict(config_dict: dict[str, Any]) -> dict[str, Any]:
         return config_dict
     data = dict(config_dict)
     block = dict(data[CONFIG_KEY])
-    data.update(copy.deepcopy(block.pop(REPLACED_KEY) or {}))
+    replaced = block.pop(REPLACED_KEY)
+    if not isinstance(replaced, dict):  # empty where the native form changed no top-level value (BLOOM's)
+        from .errors import PatchError
+
+        raise PatchError(f"the saved ctxext patch spec has {REPLACED_KEY}={replaced!r}: the config values the save "
+                         "replaced are lost; save the patched model again")
+    data.update(copy.deepcopy(replaced))
     block.pop(SAVED_AS_KEY, None)
     block.pop(TENSORS_KEY, None)
     data[CONFIG_KEY] = block
