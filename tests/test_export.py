@@ -289,6 +289,20 @@ def test_cli_export_and_overwrite(tmp_path, llama_dir, capsys):
     assert out.stat().st_mode & 0o777 == 0o777 & ~mask  # as mkdir makes it (not the temporary folder's 0700)
 
 
+def test_cli_export_of_an_export_says_it_replaces_the_patch(tmp_path, llama_dir, capsys):
+    from transformers import AutoModelForCausalLM
+
+    first, second = tmp_path / "yarn", tmp_path / "pi"
+    assert main(["export", str(llama_dir), "--method", "yarn", "--factor", "4", "--out", str(first)]) == 0
+    capsys.readouterr()
+    assert main(["export", str(first), "--method", "pi", "--factor", "2", "--out", str(second)]) == 0
+    assert "was saved patched (yarn x4" in capsys.readouterr().err
+    expected = ctxext.patch(_plain(AutoModelForCausalLM.from_pretrained, llama_dir), "pi", 2)
+    ids = _ids("llama", 2)
+    torch.testing.assert_close(_plain(AutoModelForCausalLM.from_pretrained, second)(ids).logits,
+                               expected(ids).logits, atol=1e-5, rtol=0)
+
+
 def test_cli_export_gpt2_keeps_the_original_table(tmp_path, capsys):
     from transformers import AutoModelForCausalLM
 

@@ -130,7 +130,7 @@ def _tokenizer(source: str, gguf_file: str | None):
 
 
 def run_export(args) -> int:
-    from ..api import patch
+    from ..api import describe, patch
     from ..export import export
     from ..loading import from_pretrained
     from ..core.outputs import OutputLock
@@ -142,6 +142,11 @@ def run_export(args) -> int:
         if args.gguf_file:
             kwargs["gguf_file"] = args.gguf_file
         model = from_pretrained(source, **kwargs).eval()
+        saved = describe(model)
+        if saved is not None:  # the new patch replaces it, from the model it was made from: said, not silent
+            print(f"ctxext export: note: {args.model} was saved patched ({saved['method']} x{saved['factor']}); "
+                  f"the export replaces that patch with {method}, applied to the model it was made from",
+                  file=sys.stderr)
         patch(model, method, factor, replace=True, **options)
         tokenizer = _tokenizer(source, args.gguf_file)
         form = export(model, args.out, tokenizer=tokenizer, overwrite=args.overwrite, inputs=(source,))
