@@ -148,6 +148,19 @@ def test_gpt2_past_its_position_table_is_not_applicable(gpt2_dir, tmp_path):
     assert rows[0]["ppl"] > 1 and rows[1]["ppl"] is None and "position table" in rows[1]["not_applicable"]
 
 
+def test_gpt2_past_its_patched_position_table_is_not_applicable(gpt2_dir, tmp_path):
+    """A patched table (pi / extrapolate x2: 128 rows) does not reach 256: n/a there, not positions read from its last
+    row; nope keeps no table and runs at any length."""
+    out = tmp_path / "r.json"
+    assert run("--model", gpt2_dir, "--data", CORPUS, "--lengths", "128,256", "--methods", "extrapolate,pi,nope",
+               "--factor", "2", "--max-windows", "1", "--output", out) == 0
+    ppl = {(r["method"], r["length"]): r for r in json.loads(out.read_text())["results"] if r["kind"] == "ppl"}
+    for method in ("extrapolate", "pi"):
+        assert ppl[method, 128]["ppl"] > 1
+        assert ppl[method, 256]["ppl"] is None and "128" in ppl[method, 256]["not_applicable"]
+    assert ppl["nope", 256]["ppl"] > 1
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -89,6 +89,15 @@ class GPT2Adapter(Adapter):
         if declaration(spec).kind is Kind.BIAS:
             require_attention(model)
 
+    def position_limit(self, model: nn.Module) -> int | None:
+        """The rows of the method's table while patched (a lookup past them would read the last row: the evaluator
+        reports such lengths as n/a), None while the table is bypassed (nope, alibi); unpatched, the base rule."""
+        owner = position_owner(model)
+        wpe = getattr(owner, "wpe", None)
+        if isinstance(wpe, PositionTable):
+            return wpe.num_embeddings
+        return super().position_limit(model)
+
     def apply(self, model: nn.Module, spec: PatchSpec) -> Restore:
         with undone_on_failure() as undo:
             owner = position_owner(model)
