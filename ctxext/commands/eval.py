@@ -117,7 +117,8 @@ def add_eval_arguments(p, *, demo: bool) -> None:
     g.add_argument("--overwrite", action="store_true",
                    help="replace a finished run at --output (without it, or --resume, such a run is refused); the old "
                    "files stay until the new run has its first row")
-    g.add_argument("--plot", help="PNG of perplexity vs length" + (f" (default: {DEMO_PLOT})" if demo else ""))
+    g.add_argument("--plot", help="PNG of perplexity vs length; an existing file is replaced only with --overwrite "
+                   "or --resume" + (f" (default: beside --output, {DEMO_PLOT})" if demo else ""))
     g.add_argument("--no-progress", action="store_true", help="no progress bars")
 
 

@@ -17,7 +17,7 @@ from .demo import DEMO_MAX_TOKENS, demo_jobs, reference_texts
 from .device import resolve_device, resolve_dtype
 from .models import load_model, load_tokenizer
 from .passkey import DEFAULT_DEPTHS
-from .preflight import check_fit, check_key_tokens
+from .preflight import check_evaluator_tokenizer, check_fit, check_key_tokens
 from .requests import MethodChoice, parse_factor
 from .results import check_file_target, check_output, jsonl_path
 from .runner import ModelJob, Settings
@@ -125,6 +125,9 @@ class EvalPlan:
             "protocol": s.protocol, "stride": s.stride, "max_windows": s.max_windows, "max_tokens": s.max_tokens,
             "passkey": [True, list(s.passkey_depths), s.passkey_trials, s.seed] if s.passkey else None,
         }
+        # the tokenizer decides every row's tokens (perplexity windows, passkey prompts): a retrained one in place
+        # must not resume (runs from before this key still do: ResultStore compares it only where recorded)
+        found["tokenizers"] = [tokenizer_fingerprint(j.info) for j in self.jobs]
         if s.tasks:  # absent without tasks: runs from before tasks existed still resume
             found["tasks"] = [s.tasks, s.task_samples, list(s.task_depths), s.seed, s.chat_template,
                               [tokenizer_fingerprint(j.info) for j in self.jobs]]
@@ -169,13 +172,19 @@ def plan_eval(args) -> EvalPlan:
     output = args.output or (DEMO_OUTPUT if demo else EVAL_OUTPUT)
     if args.data and Path(args.data).resolve() in (Path(output).resolve(), jsonl_path(output).resolve()):
         raise ValueError(f"--output {output} would overwrite the data {args.data}; choose another --output")
+    if args.data and Path(args.data).is_dir() and Path(args.data).resolve() in Path(output).resolve().parents:
+        raise ValueError(f"--output {output} is inside the --data folder {args.data}: its rows file would be read "
+                         "as data by the next run (--resume, --overwrite); choose an --output outside it")
     check_output(output, resume=args.resume, overwrite=args.overwrite)
-    plot = args.plot or (DEMO_PLOT if demo else None)
+    # the demo's picture goes beside its results (results/demo.png by default), not into one shared place
+    plot = args.plot or (str(Path(output).with_suffix(".png")) if demo else None)
+    replace = args.resume or args.overwrite
     if plot:
-        _check_picture(plot, data=args.data, output=output)
+        _check_picture(plot, data=args.data, output=output, replace=replace or not args.plot)
     heatmap = args.heatmap or _beside(plot)
     if heatmap:
-        written = _check_picture(heatmap, data=args.data, output=output, flag="--heatmap")
+        written = _check_picture(heatmap, data=args.data, output=output, flag="--heatmap",
+                                 replace=replace or not args.heatmap)
         if plot and written.resolve() == _picture_file(Path(plot)).resolve():
             raise ValueError(f"--heatmap {heatmap} is the --plot file; choose another")
     if not demo:
@@ -190,6 +199,8 @@ def plan_eval(args) -> EvalPlan:
     originals = check_fit(jobs, methods, args.lengths)  # lengths None: each model at 1x..8x its own original length
     if args.key_tokens:
         check_key_tokens(originals, context=args.key_context, short=args.key_short, evaluator=args.evaluator)
+        if args.evaluator and not demo:
+            check_evaluator_tokenizer(jobs[0].load_tokenizer(), args.evaluator, texts.texts)
     max_windows, max_tokens = args.max_windows, args.max_tokens
     if demo and max_windows is None and max_tokens is None:
         max_tokens = DEMO_MAX_TOKENS
@@ -222,10 +233,14 @@ def _picture_file(path: Path) -> Path:
     return path if path.suffix else path.with_name(path.name + ".png")
 
 
-def _check_picture(path: str, *, data: str | None, output: str, flag: str = "--plot") -> Path:
-    """A picture matplotlib can write at ``path`` that replaces neither the data nor this run's results; returns
-    the file that will be written."""
+def _check_picture(path: str, *, data: str | None, output: str, flag: str = "--plot", replace: bool = True) -> Path:
+    """A picture matplotlib can write at ``path`` that replaces neither the data nor this run's results, nor (unless
+    ``replace``: --overwrite / --resume, or a default name beside the results) a file already there; returns the
+    file that will be written."""
     target = check_file_target(path, flag, "ppl.png")
+    if not replace and _picture_file(target).exists():
+        raise ValueError(f"{flag} {path}: {_picture_file(target)} exists; pass --overwrite to replace it, or choose "
+                         f"another {flag}")
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:

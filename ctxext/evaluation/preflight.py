@@ -83,3 +83,20 @@ def check_key_tokens(originals: dict[str, int | None], *, context: int | None, s
             key_contexts(context or original, short)
         except ValueError as exc:
             raise ValueError(f"--key-tokens: {label}: {exc}") from None
+
+
+def check_evaluator_tokenizer(model_tokenizer, evaluator: str, texts: list[str]) -> None:
+    """Key tokens are compared token by token, so ``--evaluator`` must split the text as the model does: checked on
+    the start of each text before any weights load (the runner checks every token once they are loaded)."""
+    from .models import load_tokenizer
+
+    sample = [t[:SAMPLE_CHARS] for t in texts[:SAMPLE_TEXTS]]
+    ours, theirs = model_tokenizer, load_tokenizer(evaluator)
+    if [ours(t, add_special_tokens=False)["input_ids"] for t in sample] != \
+            [theirs(t, add_special_tokens=False)["input_ids"] for t in sample]:
+        raise ValueError(f"--evaluator {evaluator}: its tokenizer splits the text differently from the model's; key "
+                         "tokens are compared token by token, so the evaluator must share the tokenizer")
+
+
+#: How much of the data the evaluator's tokenizer is compared on before the weights load.
+SAMPLE_TEXTS, SAMPLE_CHARS = 4, 20_000

@@ -28,6 +28,10 @@ def row_key(row: dict[str, Any]) -> RowKey:
     return (row.get("kind", "ppl"), row.get("model"), row.get("method"), None if factor is None else float(factor), int(row["length"]))
 
 
+#: Settings keys newer than the rows files ctxext wrote before them: such a file still resumes.
+ADDED_LATER = ("tokenizers",)
+
+
 def jsonl_path(output: str | os.PathLike) -> Path:
     path = Path(output)
     return path.with_suffix(".jsonl") if path.suffix != ".jsonl" else path.with_suffix(".rows.jsonl")
@@ -237,10 +241,13 @@ class ResultStore:
                 self.rejected.append(f"line {number} of {self.jsonl}: {problem}")
             else:
                 self.rows[row_key(row)] = row
-        if header is not None and header != self.settings:
+        settings = self.settings
+        if isinstance(header, dict):  # a key added to the settings later is compared only where the run recorded it
+            settings = {k: v for k, v in settings.items() if k in header or k not in ADDED_LATER}
+        if header is not None and header != settings:
             raise ValueError(
                 f"--resume: {self.jsonl} was written by a run with other settings "
-                f"({', '.join(_differences(header, self.settings))}); use another --output or drop --resume"
+                f"({', '.join(_differences(header, settings))}); use another --output or drop --resume"
             )
         if header is None and self.rows:
             raise ValueError(f"--resume: {self.jsonl} has no run header; it was not written by ctxext eval")

@@ -41,6 +41,23 @@ def open_run(plan) -> Iterator[Any]:
         yield state
 
 
+def _planned_only(rows: list[dict], plan, outcome, runner) -> list[dict]:
+    """A finished run's rows without resumed ones its plan does not hold (a rows file edited by hand: another model,
+    method or length would reach the tables and the verdict). Rows of a model whose job did not run are kept."""
+    from .results import row_key
+
+    planned = set(outcome.planned)
+    ran = {key[1] for key in planned}
+    labels = {job.label for job in plan.jobs}
+    stray = [r for r in rows if row_key(r) not in planned and (r.get("model") not in labels or r.get("model") in ran)]
+    if stray:
+        runner.log(f"resume: {len(stray)} row(s) of the rows file are not part of this run's plan (e.g. "
+                   f"{stray[0].get('model')} {stray[0].get('label')} at {stray[0].get('length')}); left out of "
+                   "the results")
+    dropped = {id(r) for r in stray}
+    return [r for r in rows if id(r) not in dropped]
+
+
 def run_plan(plan, state, *, command: str) -> Finished:
     """Run every job of ``plan``; the final document holds every finished row, also when the run is cut short."""
     store = ResultStore(plan.output, plan.fingerprint(), resume=plan.resume, enabled=state.is_main_process)
@@ -52,11 +69,15 @@ def run_plan(plan, state, *, command: str) -> Finished:
                    + (f"; {store.dropped} unreadable line(s) (a write cut by a kill) will be recomputed"
                       if store.dropped else ""))
     started = datetime.datetime.now(datetime.timezone.utc)
+    completed = False
     try:
         runner.run(plan.jobs)
+        completed = True
     finally:  # also on Ctrl-C and errors: the final JSON holds every finished row (none: an earlier result stays)
         outcome = runner.outcome
         rows = store.ordered(outcome.planned)
+        if completed:
+            rows = _planned_only(rows, plan, outcome, runner)
         document = results_document(plan, started, state, outcome, rows)
         written = store.write_final(document)
     return Finished(store, rows, outcome, document, written)

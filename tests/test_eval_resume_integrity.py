@@ -1,0 +1,97 @@
+"""`ctxext eval` keeps a run's results its own: a retrained tokenizer does not resume, rows the plan does not hold
+(a rows file edited by hand) stay out of the tables, an --output inside the --data folder is refused, an --evaluator
+with another tokenizer is refused before any weights load, and a picture already there is replaced only with
+--overwrite / --resume."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+import test_eval_fixtures as fixtures
+from ctxext.cli import main
+from test_eval_fixtures import CORPUS, save_tiny_llama
+
+
+def run(*argv) -> int:
+    return main(["eval", "--no-progress", "--device", "cpu", *map(str, argv)])
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    return save_tiny_llama(tmp_path / "llama")
+
+
+@pytest.fixture
+def weights_never_load(monkeypatch):
+    import ctxext.evaluation.plan as plan
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(plan, "load_model", no_load)
+
+
+BASE = ["--data", CORPUS, "--methods", "none", "--max-windows", "1"]
+
+
+def test_a_retrained_tokenizer_does_not_resume(llama_dir, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "r.json"
+    assert run("--model", llama_dir, *BASE, "--lengths", "32,48", "--output", out) == 0
+    monkeypatch.setattr(fixtures, "VOCAB", 200)
+    fixtures.build_tokenizer(llama_dir)  # retrained in place: the same files, other tokens
+    capsys.readouterr()
+    assert run("--model", llama_dir, *BASE, "--lengths", "32,48", "--output", out, "--resume") == 2
+    assert "tokenizers" in capsys.readouterr().err
+
+
+def test_rows_outside_the_plan_stay_out_of_the_results(llama_dir, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert run("--model", llama_dir, *BASE, "--lengths", "32,48", "--output", out) == 0
+    jsonl = out.with_suffix(".jsonl")
+    row = json.loads(jsonl.read_text().splitlines()[-1])
+    edited = [dict(row, method="ntk", label="ntk x2", factor=2.0), dict(row, model="othermodel"),
+              dict(row, length=4096)]
+    with jsonl.open("a") as fh:
+        fh.writelines(json.dumps(r) + "\n" for r in edited)
+    capsys.readouterr()
+    assert run("--model", llama_dir, *BASE, "--lengths", "32,48", "--output", out, "--resume") == 0
+    err = capsys.readouterr().err
+    assert "3 row(s) of the rows file are not part of this run's plan" in err
+    results = json.loads(out.read_text())["results"]
+    assert sorted((r["model"], r["label"], r["length"]) for r in results) == [
+        ("llama", "none", 32), ("llama", "none", 48)]
+
+
+def test_an_output_inside_the_data_folder_is_refused(llama_dir, tmp_path, capsys, weights_never_load):
+    data = tmp_path / "texts"
+    data.mkdir()
+    shutil.copy(CORPUS, data / "a.txt")
+    assert run("--model", llama_dir, "--data", data, "--methods", "none", "--lengths", "32",
+               "--output", data / "res" / "r.json") == 2
+    assert "inside the --data folder" in capsys.readouterr().err
+    assert sorted(p.name for p in data.iterdir()) == ["a.txt"]
+
+
+def test_an_evaluator_with_another_tokenizer_is_refused_before_the_weights_load(llama_dir, tmp_path, capsys,
+                                                                                 monkeypatch, weights_never_load):
+    other = tmp_path / "other"
+    shutil.copytree(llama_dir, other)
+    monkeypatch.setattr(fixtures, "VOCAB", 200)
+    fixtures.build_tokenizer(other)
+    assert run("--model", llama_dir, *BASE, "--lengths", "64", "--key-tokens", "--evaluator", other,
+               "--output", tmp_path / "r.json") == 2
+    assert "splits the text differently" in capsys.readouterr().err
+
+
+def test_a_picture_already_there_is_replaced_only_with_overwrite(llama_dir, tmp_path, capsys):
+    mine = tmp_path / "photo.png"
+    mine.write_text("not a plot")
+    out = tmp_path / "r.json"
+    assert run("--model", llama_dir, *BASE, "--lengths", "32", "--output", out, "--plot", mine) == 2
+    assert "photo.png exists; pass --overwrite" in capsys.readouterr().err
+    assert mine.read_text() == "not a plot" and not out.exists()
+    assert run("--model", llama_dir, *BASE, "--lengths", "32", "--output", out, "--plot", mine, "--overwrite") == 0
+    assert mine.read_bytes().startswith(b"\x89PNG")
