@@ -121,3 +121,81 @@ def test_the_adapter_reloads_in_the_dtype_it_was_trained_in(bases, tmp_path):
     assert next(ctxext.from_pretrained(str(base), adapter=str(out)).parameters()).dtype == torch.float32
     asked = ctxext.from_pretrained(str(base), adapter=str(out), dtype=torch.bfloat16)
     assert next(asked.parameters()).dtype == torch.bfloat16
+
+
+def test_an_output_dir_holding_what_the_run_reads_is_refused(bases, tmp_path):
+    """--overwrite clears output.dir: a base model kept there (say an earlier run's merged/) would be deleted."""
+    out = tmp_path / "run"
+    shutil.copytree(bases["llama"], out / "merged")
+    with pytest.raises(RecipeError, match="holds model.name"):
+        recipe_from_dict(quick(bases, out, model={"name": str(out / "merged")}, output={"overwrite": True}))
+    assert (out / "merged" / "config.json").is_file()
+
+
+def test_an_output_dir_inside_a_data_folder_is_refused(bases, tmp_path):
+    data = tmp_path / "texts"
+    shutil.copytree(bases["data"], data)
+    with pytest.raises(RecipeError, match="inside the data.files folder"):
+        recipe_from_dict(quick(bases, data / "run", data={"files": [str(data)]}))
+
+
+def test_a_home_output_dir_is_one_folder(bases, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    recipe = recipe_from_dict(quick(bases, "~/run"))
+    assert recipe.output.dir == str(tmp_path / "home" / "run")
+
+
+def test_check_refuses_a_shift_attention_length_that_does_not_split(bases, tmp_path, capsys):
+    path = tmp_path / "r.yaml"  # pi x2 of the tiny llama's 64: 128 tokens, not 5 groups of an even size
+    path.write_text(yaml.safe_dump(quick(bases, tmp_path / "run", train={"shift_attention": True,
+                                                                         "shift_group_ratio": 0.2})))
+    assert main(["finetune", str(path), "--check"]) == 2
+    assert "train.shift_attention" in capsys.readouterr().err
+
+
+def test_resume_refuses_data_whose_content_changed(bases, tmp_path):
+    data = tmp_path / "texts"
+    shutil.copytree(bases["data"], data)
+    out = tmp_path / "run"
+    d = quick(bases, out, data={"files": [str(data)]}, train={"steps": 4, "save_every": 1})
+    run(recipe_from_dict(d), progress=False, stop_after=1)
+    (data / "book0.txt").write_text((data / "book1.txt").read_text())  # same path, other text
+    with pytest.raises(RecipeError, match="the training data changed"):
+        run(recipe_from_dict(d), progress=False, resume=True)
+
+
+def test_resume_with_other_eval_settings_measures_before_again(bases, tmp_path):
+    out, fresh = tmp_path / "run", tmp_path / "fresh"
+    first = {"data": [str(bases["data"] / "heldout.txt")], "max_windows": 2, "lengths": [64], "enabled": True}
+    other = dict(first, data=[str(bases["data"] / "book2.txt")])
+    run(recipe_from_dict(quick(bases, out, eval=first, train={"steps": 3})), progress=False, stop_after=1)
+    resumed = run(recipe_from_dict(quick(bases, out, eval=other, train={"steps": 3})), progress=False, resume=True)
+    expected = run(recipe_from_dict(quick(bases, fresh, eval=other, train={"steps": 3})), progress=False)
+    assert resumed["before"] is not None and resumed["before"] == expected["before"]
+
+
+def test_a_kill_while_a_checkpoint_is_saved_leaves_the_one_before(bases, tmp_path, monkeypatch):
+    """train.keep_checkpoints rotates only after ctxext's record completes the new checkpoint: a kill in between
+    leaves the previous complete one to resume from."""
+    import ctxext.finetune.checkpoint as ckpt
+
+    out = tmp_path / "run"
+    d = quick(bases, out, train={"steps": 4, "save_every": 1, "keep_checkpoints": 1})
+    write_state = ckpt.write_state
+
+    def killed_at_step_3(path, record):
+        if record["step"] == 3:
+            raise KeyboardInterrupt  # stands in for a kill after Trainer's files, before ctxext's record
+        write_state(path, record)
+
+    monkeypatch.setattr(ckpt, "write_state", killed_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        run(recipe_from_dict(d), progress=False)
+    assert [p.name for p in ckpt.checkpoints(out)] == ["checkpoint-2"]
+    monkeypatch.undo()
+    resumed = run(recipe_from_dict(d), progress=False, resume=True)
+    uninterrupted = run(recipe_from_dict(quick(bases, tmp_path / "once", train={"steps": 4, "save_every": 1,
+                                                                                "keep_checkpoints": 1})),
+                        progress=False)
+    assert resumed["losses"] == uninterrupted["losses"]
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3"]

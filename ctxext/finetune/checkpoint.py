@@ -55,6 +55,19 @@ def latest(out: Path) -> Path | None:
     return found[-1] if found else None
 
 
+def keep_newest(out: Path, keep: int) -> None:
+    """``train.keep_checkpoints``: remove the oldest complete checkpoints past ``keep`` (0 keeps all), only ever
+    after a newer one is complete. A folder a kill left without its record goes too once a newer one is complete."""
+    if keep <= 0:
+        return
+    complete = checkpoints(out)
+    newest = _step(complete[-1]) if complete else None
+    partial = [p for p in Path(out).iterdir() if p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
+               and not (p / STATE).exists() and newest is not None and _step(p) < newest]
+    for path in complete[:-keep] + partial:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def refuse_old_layout(out: Path) -> None:
     old = Path(out) / OLD_LAYOUT
     if old.is_dir() and any(p.name.startswith("step-") for p in old.iterdir()):
@@ -147,6 +160,14 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
         else:
             flat[key] = v
     return flat
+
+
+def same_eval(saved: dict[str, Any], recipe: Recipe) -> bool:
+    """Whether a checkpoint's record was measured under the recipe's eval settings (data paths compared absolute)."""
+    before = dict(saved.get("recipe", {}).get("eval", {}))
+    if "data" in before:
+        before["data"] = recipe.absolute_data(before["data"])
+    return before == recipe.to_dict(absolute_paths=True)["eval"]
 
 
 def check_compatible(path: Path, recipe: Recipe) -> None:

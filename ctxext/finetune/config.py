@@ -213,8 +213,14 @@ class EvalConfig(Section):
 
 
 class OutputConfig(Section):
-    #: the run's folder; a relative path is relative to the working directory (as any command's output)
+    #: the run's folder; a relative path is relative to the working directory (as any command's output); ``~`` is
+    #: the home folder
     dir: str = ""
+
+    @field_validator("dir")
+    @classmethod
+    def _home(cls, value: str) -> str:  # expanded once: Trainer and ctxext must write into one folder
+        return str(Path(value).expanduser()) if value.startswith("~") else value
     #: also save the merged model (base + LoRA folded in) under ``DIR/merged``
     merged: bool = False
     #: start over in a folder that holds checkpoints of an earlier run (otherwise: pass --resume)
@@ -606,6 +612,7 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
             parent = next((q for q in out.absolute().parents if q.exists()), None)
             if parent is not None and not parent.is_dir():
                 err(f"output.dir: {o.dir!r} cannot be made: {str(parent)!r} is a file", "output.dir")
+        _check_output_apart(recipe, out.resolve(), err)
 
     if p.method is not None and p.method.strip().lower() in ("none", ""):
         p.method = None
@@ -696,6 +703,30 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
                     "eval.data")
     if own:
         problems.raise_if_any()
+
+
+def _check_output_apart(recipe: Recipe, out: Path, err) -> None:
+    """output.dir holds none of what the run reads (--overwrite clears the folder: a base model kept in it, say an
+    earlier run's merged/, would go), and lies in no data.files folder (the run's log and checkpoints would be read as
+    training data by the next run)."""
+    m, d, e = recipe.model, recipe.data, recipe.eval
+    reads = [("model.name", m.name), ("model.tokenizer", m.tokenizer)]
+    reads += [("data.files", f) for f in d.files if not is_shipped(f)]
+    if e.enabled:
+        reads += [("eval.data", f) for f in _listed(e.data) if f != "reference" and not is_shipped(f)]
+    for key, item in reads:
+        if not item or item.startswith(REFERENCE_PREFIX):
+            continue
+        path = (Path(item).expanduser() if key.startswith("model") else recipe.resolve_path(item)).resolve()
+        if not path.exists():
+            continue
+        if path == out or out in path.parents:
+            err(f"output.dir {recipe.output.dir!r} holds {key} {item!r}: a run writes there and --overwrite clears "
+                "it; choose an output.dir apart from what the run reads", "output.dir")
+        elif key == "data.files" and path.is_dir() and path in out.parents:
+            err(f"output.dir {recipe.output.dir!r} is inside the data.files folder {item!r}: the run's log and "
+                "checkpoints would be read as training data by the next run; choose an output.dir outside it",
+                "output.dir")
 
 
 def _listed(value) -> list[str]:

@@ -8,6 +8,7 @@ and each optimizer step consumes the same sequences whatever the number of proce
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -97,6 +98,12 @@ def check(recipe: Recipe) -> dict[str, Any]:
         return {"checked_architecture": False}
     seq_length = _seq_length(recipe, spec, model)
     checked = {"checked_architecture": True, "patch": spec, "seq_length": seq_length}
+    if recipe.train.shift_attention:  # the length the patch sets: it must split into groups (LongLoRA's S²-Attn)
+        try:
+            check_shift_attention(seq_length, recipe.train.shift_group_ratio, recipe.patch.method)
+        except PatchError as exc:
+            raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "")
+                              + f"train.shift_attention: {exc}") from None
     if recipe.train.pose is not None:
         try:
             checked["pose_target"] = _pose_target(recipe, spec, model, seq_length)
@@ -336,15 +343,20 @@ def run(
     seq_length = checked.get("seq_length")
     pose_target = checked.get("pose_target")
     eval_lengths = list(recipe.eval.lengths) or ([pose_target or seq_length] if seq_length else [])
-    record: dict[str, Any] = {"elapsed": 0.0, "unpatched": None, "before": None, "losses": []}
+    record: dict[str, Any] = {"elapsed": 0.0, "unpatched": None, "before": None, "losses": [], "data_sha256": None}
     model.to(args.device)
     if t.pose is not None and recipe.patch.method is None and pose_target:
         # no patch to wait for: probe before any evaluation (it runs again after the no-op patch: two tiny passes)
         check_position_input(model, pose_target)
     saved = ckpt.read_state(latest) if latest is not None else None  # the interrupted run's record
     if saved is not None:
-        record.update({k: v for k, v in saved.items() if k in record})
-    elif recipe.eval.enabled and recipe.eval.unpatched and eval_lengths:
+        # eval settings may change on resume: numbers measured under the old ones are measured again
+        kept = ("before", "unpatched") if ckpt.same_eval(saved, recipe) else ()
+        record.update({k: v for k, v in saved.items() if k in record and (k not in ("before", "unpatched")
+                                                                            or k in kept)})
+        if not kept and recipe.eval.enabled:
+            say("eval settings changed since the run started: the perplexity before training is measured again")
+    if record["unpatched"] is None and recipe.eval.enabled and recipe.eval.unpatched and eval_lengths:
         say(f"perplexity of the unpatched model on {eval_label} at {', '.join(map(str, eval_lengths))} tokens")
         record["unpatched"] = _evaluate(recipe, model, eval_tokens, eval_lengths, state, progress, tolerant=True)
     spec = apply_patch(recipe, model)
@@ -356,11 +368,19 @@ def run(
     eval_lengths = eval_lengths or [pose_target or seq_length]
     data = build_packed_data(recipe, tokenizer, seq_length, pose_target)
     check_data_size(recipe, len(data), seq_length)
+    digest = hashlib.sha256(data.sequences.numpy().tobytes()).hexdigest()  # the training tokens, as packed
+    if saved is not None and saved.get("data_sha256") not in (None, digest):  # None: a checkpoint without it
+        raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "") + "cannot resume: the training data "
+                          "changed since the run started (the packed tokens differ: a data file's content, or the "
+                          "tokenizer); resume with the data the run started with, or start over with "
+                          "--set output.overwrite=true")
+    record["data_sha256"] = digest
     if t.shift_attention:  # the length is known only now (the patch can set it): checked before any training
         try:
             check_shift_attention(seq_length, t.shift_group_ratio, recipe.patch.method, model=model)
         except PatchError as exc:
-            raise RecipeError(f"train.shift_attention: {exc}") from None
+            raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "")
+                              + f"train.shift_attention: {exc}") from None
     # -- only now, with the model loaded and the data read, is the output folder made (or an old run cleared):
     # a recipe that fails before this point leaves output.dir exactly as it was
     state.wait_for_everyone()
@@ -386,10 +406,10 @@ def run(
                   device=str(args.device))
         if main:
             (out / "recipe.yaml").write_text(recipe.to_yaml(absolute_paths=True))
-        if recipe.eval.enabled and recipe.eval.before:
-            say(f"perplexity before training on {eval_label} at {', '.join(map(str, eval_lengths))} tokens")
-            record["before"] = _evaluate(recipe, model, eval_tokens, eval_lengths, state, progress)
-            log.write(event="eval", when="before", results=record["before"])
+    if recipe.eval.enabled and recipe.eval.before and record["before"] is None:
+        say(f"perplexity before training on {eval_label} at {', '.join(map(str, eval_lengths))} tokens")
+        record["before"] = _evaluate(recipe, model, eval_tokens, eval_lengths, state, progress)
+        log.write(event="eval", when="before", results=record["before"])
 
     # -- LoRA, then Trainer
     model.config.use_cache = False

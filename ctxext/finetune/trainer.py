@@ -28,7 +28,9 @@ def training_arguments(recipe: Recipe, accumulation: int, progress: bool, use_cp
         # and writes log.jsonl every train.log_every steps)
         fp16=t.mixed_precision == "fp16", seed=t.seed, logging_steps=1, logging_nan_inf_filter=False,
         save_strategy="steps" if t.save_every else "no", save_steps=t.save_every or 500,
-        save_total_limit=t.keep_checkpoints or None, use_cpu=use_cpu, disable_tqdm=not progress,
+        # train.keep_checkpoints is applied by RunCallback.on_save once ctxext's record completes a checkpoint:
+        # Trainer rotates before that record exists, so a kill between the two could leave no complete one
+        save_total_limit=None, use_cpu=use_cpu, disable_tqdm=not progress,
         remove_unused_columns=False, report_to="none", optim="adamw_torch",
     )
     # transformers 5.x renamed gradient checkpointing to activation checkpointing (the old names warn)
@@ -117,6 +119,7 @@ class RunCallback(TrainerCallback):
             ckpt.write_state(path, dict(self.record, step=state.global_step, recipe=self.recipe.to_dict(True),
                                         world_size=args.world_size))
             self.log.write(event="checkpoint", step=state.global_step, path=str(path))
+            ckpt.keep_newest(Path(args.output_dir), self.recipe.train.keep_checkpoints)
 
 
 class RunLog:
