@@ -100,6 +100,23 @@ def measure(variant: str, length: int, dtype, runs: int, model_name: str = "smal
             "peak_mib": round(peak / 2**20, 1)}
 
 
+def write(args, rows: list[dict]) -> None:
+    import torch
+
+    out = {
+        "benchmark": "bench_gpu",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()},
+        "dtype": args.dtype,
+        "model": args.model,
+        "remap_path": args.remap_path,
+        "runs": args.runs,
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="4096,16384,32768")
@@ -138,6 +155,7 @@ def main() -> int:
                 row["memory_ratio"] = round(row["peak_mib"] / base["peak_mib"], 2) if base["peak_mib"] else None
             rows.append(row)
             print(json.dumps(row), flush=True)
+            write(args, rows)  # after every row: a step cut off by its time limit keeps the rows it measured
 
     print(f"\n{'variant':<13}{'length':>8}{'ms':>10}{'time x':>8}{'peak MiB':>10}{'mem x':>7}{'1st +s':>8}")
     for r in rows:
@@ -146,18 +164,7 @@ def main() -> int:
             continue
         print(f"{r['variant']:<13}{r['length']:>8}{1000 * r['seconds']:>10.1f}{r.get('time_ratio', 0):>8.2f}"
               f"{r['peak_mib']:>10.1f}{r.get('memory_ratio') or 0:>7.2f}{r['first_call_extra_s']:>8.2f}")
-    out = {
-        "benchmark": "bench_gpu",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "python": platform.python_version()},
-        "dtype": args.dtype,
-        "model": args.model,
-        "remap_path": args.remap_path,
-        "runs": args.runs,
-        "rows": rows,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    write(args, rows)
     print(f"wrote {args.out}")
     return 0
 

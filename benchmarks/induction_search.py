@@ -95,12 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--minutes", type=float, default=None,
+                   help="stop after this long (probed and saved, the schedule left unfinished); for a GPU lease")
     p.add_argument("--out", type=Path, required=True, help="checkpoint folder; the log goes to OUT.jsonl")
     args = p.parse_args(argv)
     period = tuple(int(v) for v in args.period.split(","))
     ids = tuple(int(v) for v in args.ids.split(","))
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
+    if args.device.startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = True  # a tiny model: TF32 matmuls are the GPU's fast path
 
     tokenizer = reference.reference_tokenizer("llama")
     stream = torch.tensor(tokenizer("\n\n".join(reference.training_texts()))["input_ids"])
@@ -131,12 +135,16 @@ def main(argv: list[str] | None = None) -> int:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % args.log_every == 0 or step == args.steps:
+        out_of_time = args.minutes is not None and time.time() - start > 60 * args.minutes
+        if step % args.log_every == 0 or step == args.steps or out_of_time:
             record = {"step": step, "loss": round(loss.item(), 3), "seconds": round(time.time() - start),
                       **probes(model, stream, ids)}
             print(json.dumps(record), flush=True)
             with log.open("a") as f:
                 f.write(json.dumps(record) + "\n")
+        if out_of_time:
+            print(f"stopped at step {step} of {args.steps}: --minutes {args.minutes} spent", flush=True)
+            break
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     return 0

@@ -348,6 +348,18 @@ def test_the_cuda_merge_path_is_opt_in_until_a_torch_version_is_recorded(monkeyp
     assert lse_attention.available("cpu") and not lse_attention.available("meta")
 
 
+def test_the_cuda_merge_path_can_be_turned_off_on_a_tested_torch(monkeypatch):
+    monkeypatch.setattr(torch_compat, "CUDA_FUSED_TESTED", (torch_compat._version(),))
+    monkeypatch.delenv("CTXEXT_CUDA_LSE", raising=False)
+    assert lse_attention.available("cuda")
+    for off in ("0", "off", "false"):
+        monkeypatch.setenv("CTXEXT_CUDA_LSE", off)
+        assert not lse_attention.available("cuda")
+    monkeypatch.setattr(torch_compat, "CUDA_FUSED_TESTED", ())
+    monkeypatch.delenv("CTXEXT_CUDA_LSE")
+    assert not lse_attention.available("cuda")
+
+
 @pytest.mark.parametrize("capability,bf16", [((7, 5), False), ((8, 0), True), ((9, 0), True)])
 def test_the_kernels_take_bfloat16_on_cuda_only_from_ampere(monkeypatch, capability, bf16):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)

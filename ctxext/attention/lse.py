@@ -28,7 +28,7 @@ kernel, expand their slice of them; where flash-attn is installed, the mask-free
 it: ``ctxext.attention.optional_kernels``). Its
 log-sum-exp output carries no gradient: callers use this without autograd only (``remap_attention_forward``
 checks). The ops are private: ``available(device)`` allows them only on the torch versions ``ctxext.compat.torch``
-pins (on CUDA none yet: ``CTXEXT_CUDA_LSE=1`` opts in until a GPU run of the ``gpu`` tests records one).
+pins (on CUDA 2.11, where the ``gpu`` tests passed; ``CTXEXT_CUDA_LSE=1`` opts in elsewhere, ``=0`` opts out).
 Measured on CPU: ``benchmarks/bench_remap.py`` (see the report of issue 23).
 """
 
@@ -68,7 +68,7 @@ def _attend(q, k, v, causal: bool, scale: float, mask=None):
 
 def available(device: torch.device | str = "cpu") -> bool:
     """The private ops for ``device`` exist and this torch version is one they were tested on (on CUDA, or
-    ``CTXEXT_CUDA_LSE=1`` asks for them: ``ctxext.compat.torch.CUDA_FUSED_TESTED``)."""
+    ``CTXEXT_CUDA_LSE=1`` asks for them, and not ``=0``: ``ctxext.compat.torch.CUDA_FUSED_TESTED``)."""
     kind = torch.device(device).type
     if kind == "cpu":
         return cpu_flash_attention_tested()

@@ -75,8 +75,9 @@ STRATEGY_NOTE = ""
 #: kv_len) on CPU without autograd, dropout, soft-capping or sinks, under a map that declares a ``KeySplit``, runs
 #: as a few fused CPU flash calls per block of queries (near keys, far keys), merged exactly by log-sum-exp, instead
 #: of the chunks below. On CUDA the same calls run on torch's flash / memory-efficient kernels where
-#: ``lse.available("cuda")`` (``CTXEXT_CUDA_LSE=1`` until a torch version is recorded as tested). False turns it off
-#: (tests, benchmarks: the "before" of a measurement); every other call takes the paths below unchanged.
+#: ``lse.available("cuda")`` (torch 2.11, where the ``gpu`` tests passed; ``CTXEXT_CUDA_LSE=1`` / ``0`` to opt in /
+#: out). False turns it off (tests, benchmarks: the "before" of a measurement); every other call takes the paths
+#: below unchanged.
 LSE_PATH = True
 #: ... only from this many tokens. The path already wins below it (the small benchmark LLaMA, factor 4, 1 thread, whole
 #: forward, path off -> on: 512 tokens 0.72 -> 0.62 s, 1024 1.87 -> 1.43 s, 2048 5.4 -> 3.5 s); the bound keeps

@@ -27,10 +27,10 @@ CPU_FLASH_TESTED = ("2.13",)
 #: multiple of 32 queries). Both align a causal diagonal top-left; the callers' causal calls are square.
 CUDA_FLASH_OP = "_scaled_dot_product_flash_attention"
 CUDA_EFFICIENT_OP = "_scaled_dot_product_efficient_attention"
-#: torch versions (major.minor) whose CUDA ops ran ctxext's ``gpu`` tests of the merge path. None yet: no GPU was
-#: lent when the path was written (signatures and output shapes are checked on the meta device, on CPU). Until a
-#: version is listed, the path runs on CUDA only when ``CTXEXT_CUDA_LSE=1`` asks for it.
-CUDA_FUSED_TESTED: tuple[str, ...] = ()
+#: torch versions (major.minor) whose CUDA ops ran ctxext's ``gpu`` tests of the merge path: 2.11 (2.11.0+cu130 on
+#: an H100, 2026-11-26: tests/test_gpu.py all passed, benchmarks/results/gpu/). On other versions the path runs on
+#: CUDA only when ``CTXEXT_CUDA_LSE=1`` asks for it; ``CTXEXT_CUDA_LSE=0`` turns it off on any.
+CUDA_FUSED_TESTED: tuple[str, ...] = ("2.11",)
 #: bias rows are allocated at multiples of this many elements (the memory-efficient kernel needs 8 in half precision
 #: and 4 in float32, what sdpa's ``pad_bias`` gives a mask)
 EFFICIENT_BIAS_ALIGN = 16
@@ -51,11 +51,14 @@ def _version() -> str:
 
 
 def cuda_fused_attention_tested() -> bool:
-    """The CUDA ops exist and this torch is one they were tested on, or ``CTXEXT_CUDA_LSE=1`` asks for them."""
+    """The CUDA ops exist and this torch is one they were tested on, or ``CTXEXT_CUDA_LSE=1`` asks for them;
+    ``CTXEXT_CUDA_LSE=0`` refuses them on any version."""
     if not all(hasattr(torch.ops.aten, op) for op in (CUDA_FLASH_OP, CUDA_EFFICIENT_OP)):
         return False
-    asked = os.environ.get("CTXEXT_CUDA_LSE", "").strip().lower() in ("1", "true", "on", "yes", "force")
-    return asked or _version() in CUDA_FUSED_TESTED
+    setting = os.environ.get("CTXEXT_CUDA_LSE", "").strip().lower()
+    if setting in ("0", "false", "off", "no"):
+        return False
+    return setting in ("1", "true", "on", "yes", "force") or _version() in CUDA_FUSED_TESTED
 
 
 def cuda_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
