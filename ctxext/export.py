@@ -166,31 +166,19 @@ def export(model: nn.Module, out: str | os.PathLike, *, tokenizer: Any = None, o
     marker (``OUTPUT_MARKER``) listing what it wrote. ``overwrite`` replaces only such a folder (or an empty one),
     never one holding other files or a folder ``ctxext.core.outputs`` protects (``inputs``: the folders read from).
     ``ctxext export`` holds ``ctxext.core.outputs.OutputLock`` on ``out`` around this (and the model's load)."""
-    import shutil
-    import tempfile
-
-    from .core.outputs import check_replaceable_folder, give_default_mode
+    from .core.outputs import check_replaceable_folder, staged_folder
 
     form = native_form(model)
     out = Path(out)
     if out.exists() and not overwrite:
         raise FileExistsError(f"--out {out} exists; pass --overwrite to replace it")
     check_replaceable_folder(out, "--out", is_ours=is_export_folder, inputs=inputs, what="a ctxext export")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        give_default_mode(tmp, folder=True)
+    with staged_folder(out) as tmp:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         (tmp / OUTPUT_MARKER).write_text(json.dumps({"written_by": "ctxext export", "files": files}, indent=1))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return form
 
 

@@ -289,3 +289,26 @@ def test_a_lock_leaves_no_folder_it_made(tmp_path):
     with OutputLock(tmp_path / "keep" / "r.json"):
         pass
     assert (tmp_path / "keep").is_dir()  # it was there before
+
+
+def test_a_staged_folder_replaces_the_output_only_when_its_block_completes(tmp_path):
+    """The staged write that export and search --overwrite share: a failure leaves the earlier output as it was."""
+    from ctxext.core.outputs import staged_folder
+
+    out = tmp_path / "result"
+    out.mkdir()
+    (out / "earlier.txt").write_text("earlier\n")
+    with pytest.raises(RuntimeError):
+        with staged_folder(out) as staging:
+            (staging / "new.txt").write_text("half\n")
+            raise RuntimeError("interrupted")
+    assert sorted(p.name for p in out.iterdir()) == ["earlier.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result"]  # no staging folder left behind
+
+    with staged_folder(out) as staging:
+        (staging / "new.txt").write_text("whole\n")
+    assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["result"]
+    mask = os.umask(0)
+    os.umask(mask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~mask  # mkdir's mode, not mkdtemp's 0700

@@ -176,7 +176,7 @@ def test_an_abbreviated_model_args_flag_is_checked_too(models, watch, capsys):
     """argparse takes `--model_a` for `--model_args`; a key given twice there is refused as with the full flag."""
     argv = ["lm-eval", "--model", "ctxext", "--model_a", f"pretrained={models['LLAMA']},method=yarn,factor=4,factor=8",
             "--device", "cpu", "--output_path", str(watch), "--tasks", "ctxext_no_such_task"]
-    assert_refused(argv, capsys, watch, "factor")
+    assert_refused(argv, capsys, watch, "factor is given twice")
 
 
 def test_an_output_path_that_is_a_file_is_refused_before_the_run(models, watch, capsys):

@@ -132,8 +132,9 @@ class GPT2Adapter(Adapter):
         baked = False
         for parent in list(model.modules()):
             for child_name, child in list(parent.named_children()):
-                if isinstance(child, PositionTable) and isinstance(child.current_table(), torch.Tensor):
-                    table = child.current_table().detach().clone()
+                table = child.current_table() if isinstance(child, PositionTable) else None
+                if isinstance(table, torch.Tensor):
+                    table = table.detach().clone()
                     emb = nn.Embedding(table.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
                     emb.weight.data.copy_(table)
                     setattr(parent, child_name, emb)

@@ -121,11 +121,7 @@ def _search_into(args, out: Path, source: str, dtype, kwargs, tokens, settings, 
     """Run the search into ``out``. With ``--overwrite`` and an earlier search there, the new one runs in a folder
     beside ``out`` that replaces it only once its checkpoint is complete: a failed or interrupted run leaves the
     earlier result as it was."""
-    import os
-    import shutil
-    import tempfile
-
-    from ..core.outputs import give_default_mode
+    from ..core.outputs import staged_folder
     from ..loading import from_pretrained
     from ..search import longrope_search
     from ..search.longrope import SearchIncomplete
@@ -136,20 +132,13 @@ def _search_into(args, out: Path, source: str, dtype, kwargs, tokens, settings, 
         out.mkdir(parents=True, exist_ok=True)
         return longrope_search(model, tokens, settings, out, tokenizer=tokenizer, max_windows=args.max_windows,
                                resume=args.resume, progress=not args.no_progress, describe=describe)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
-        give_default_mode(staging, folder=True)  # it becomes --out: not mkdtemp's 0700
-        result = longrope_search(model, tokens, settings, staging, tokenizer=tokenizer,
-                                 max_windows=args.max_windows, resume=False, progress=not args.no_progress,
-                                 describe=describe)
-        shutil.rmtree(out)
-        os.replace(staging, out)
+        with staged_folder(out) as staging:
+            return longrope_search(model, tokens, settings, staging, tokenizer=tokenizer,
+                                   max_windows=args.max_windows, resume=False, progress=not args.no_progress,
+                                   describe=describe)
     except SearchIncomplete as exc:
         raise SearchIncomplete(f"{exc.reason}; --out {out} still holds the earlier search, unchanged") from None
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-    return result
 
 
 def _calibration_tokens(tokenizer, data: str | None):

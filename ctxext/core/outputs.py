@@ -12,22 +12,26 @@
 - :func:`check_writable_folder` refuses an output folder that cannot be made or written, before any work: it creates
   and removes a temporary file in the nearest existing folder on the way (``os.access`` says yes to root, and knows
   nothing of read-only mounts).
+- :func:`staged_folder` gives a folder beside an output to write a whole result into; it replaces the output only
+  when the writing completes, so a failed or interrupted run leaves the earlier output as it was.
 - :func:`file_damage` says why a file ctxext (or a library it saves with) wrote cannot be read back: a truncated
   safetensors file, a torch.save archive with a missing end or a bad CRC, JSON that does not parse.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import shutil
 import stat
 import struct
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 try:
     import fcntl
@@ -192,6 +196,26 @@ def give_default_mode(path: str | os.PathLike, folder: bool) -> None:
     mask = os.umask(0)
     os.umask(mask)
     os.chmod(path, (0o777 if folder else 0o666) & ~mask)
+
+
+@contextlib.contextmanager
+def staged_folder(out: str | os.PathLike) -> Iterator[Path]:
+    """A new folder beside ``out`` (same filesystem, so the rename is atomic) for the caller to write a whole result
+    into. When the block completes, it replaces ``out`` (a folder there is removed first: the caller has checked that
+    it may be); when the block raises, it is removed and ``out`` is left as it was. It gets the mode ``mkdir`` would
+    have given, not ``mkdtemp``'s 0700."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        give_default_mode(staging, folder=True)
+        yield staging
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
 
 
 def check_writable_folder(path: str | os.PathLike, flag: str) -> None:
