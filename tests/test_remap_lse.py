@@ -259,6 +259,85 @@ def test_the_causal_mask_check_reads_a_new_mask_anew():
     assert not ra._is_causal(causal)
 
 
+# ----------------------------------------------------------------------------- a band's masked calls, batched
+# On CUDA a band's full masked blocks run many to one kernel call (``BATCHED_BAND``); here it is forced on the CPU
+# kernel. Batch 2 and GQA (``_inputs``); no T below is a multiple of its block size (the partial last block runs
+# alone); byte budgets from everything in one call down to one block per call.
+
+SIZES = {"shipped": (1024, 128, 64), "small": (48, 16, 4)}
+BATCHED = [(name, sizes) for name in SHAPES for sizes in SIZES  # the pairs with masked band blocks
+           if name != "band near T" and not (name.startswith("chunks") and sizes == "small")]
+
+
+def _batched_groups(monkeypatch):
+    groups = []
+    real = lse_attention._near_batched
+
+    def counted(q, k, v, first, count, *args):
+        groups.append(count)
+        return real(q, k, v, first, count, *args)
+
+    monkeypatch.setattr(lse_attention, "_near_batched", counted)
+    return groups
+
+
+def _split(monkeypatch, name, sizes, batched, budget=64 << 20, seed=11):
+    for attr, value in zip(("BLOCK", "MIN_BLOCK", "MIN_RUN"), SIZES[sizes]):
+        monkeypatch.setattr(lse_attention, attr, value)
+    monkeypatch.setattr(lse_attention, "BATCHED_BAND", batched)
+    monkeypatch.setattr(lse_attention, "BATCH_BYTES", budget)
+    T, starts, far_keys, _ = SHAPES[name]
+    queries, keys, v = _inputs(seed, 2, T)
+    out = lse_attention.split_attention(queries, keys, v, starts(T), far_keys, 16**-0.5)
+    return out, (queries, keys, v, starts(T), far_keys)
+
+
+@pytest.mark.parametrize("budget", [64 << 20, 100_000, 1])
+@pytest.mark.parametrize("name,sizes", BATCHED)
+def test_batched_band_matches_the_dense_definition(monkeypatch, name, sizes, budget):
+    groups = _batched_groups(monkeypatch)
+    out, (queries, keys, v, near_start, far_keys) = _split(monkeypatch, name, sizes, True, budget)
+    assert groups and (budget > 1 or set(groups) == {1})  # batched; a budget of one byte: one block per call
+    reference = _dense(*queries, *keys, v, _which(near_start, far_keys), 16**-0.5)
+    torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name,sizes", BATCHED)
+def test_batched_band_equals_the_unbatched_path(monkeypatch, name, sizes):
+    groups = _batched_groups(monkeypatch)
+    one_by_one, _ = _split(monkeypatch, name, sizes, False)
+    assert not groups
+    for budget in (64 << 20, 100_000):
+        batched, _ = _split(monkeypatch, name, sizes, True, budget)
+        torch.testing.assert_close(batched, one_by_one, atol=1e-6, rtol=0)
+    assert groups
+
+
+def test_the_band_runs_batched_on_cuda_only_by_default(monkeypatch):
+    groups = _batched_groups(monkeypatch)
+    assert lse_attention.BATCHED_BAND is None
+    _split(monkeypatch, "band", "shipped", None)
+    assert not groups  # the CPU path stays one call per block
+
+
+@pytest.mark.parametrize("method,factor,options", [("self-extend", 8, {}), ("rerope", 8, {}),
+                                                   ("lm-infinite", 8, {"window": 50})])
+def test_patched_model_logits_with_the_band_batched(monkeypatch, method, factor, options):
+    monkeypatch.setattr(remap_attention, "LSE_MIN_LEN", 64)
+    monkeypatch.setattr(lse_attention, "BATCH_BYTES", 200_000)  # a few blocks per call
+    groups = _batched_groups(monkeypatch)
+    model = tiny_llama()
+    apply_remap(model, method, factor, options)
+    ids = torch.randint(0, 128, (2, 300), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        monkeypatch.setattr(lse_attention, "BATCHED_BAND", True)
+        batched = model(ids).logits
+        assert len(groups) >= model.config.num_hidden_layers
+        monkeypatch.setattr(lse_attention, "BATCHED_BAND", False)
+        one_by_one = model(ids).logits
+    torch.testing.assert_close(batched, one_by_one, atol=1e-5, rtol=0)
+
+
 # ------------------------------------------------------------------------------- CUDA's fused kernels, emulated
 # No GPU here: the adapter that runs the merge path on CUDA (``compat.torch.cuda_attention_with_lse``) is checked
 # with stand-ins for the two CUDA ops, written from their contracts as torch's sources state them (flash: no mask,
@@ -318,6 +397,28 @@ def test_split_attention_on_cudas_kernel_contracts_matches_the_dense_definition(
     out16 = lse_attention.split_attention(q16, k16, v16, near_start, far_keys, 16**-0.5)
     reference16 = _dense(*q16, *k16, v16, _which(near_start, far_keys), 16**-0.5)
     torch.testing.assert_close(out16.double(), reference16, atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["band", "band and sinks", "band, partial"])
+def test_batched_band_on_the_efficient_ops_contract_matches_the_dense_definition(emulated_cuda, monkeypatch, name):
+    groups = _batched_groups(monkeypatch)
+    monkeypatch.setattr(lse_attention, "_attend_blocks", lambda q, k, v, mask, scale: lse_attention._efficient_blocks(
+        q, k, v, mask, scale, _fake_efficient))  # its 4D bias, aligned rows, heads expanded, padded lse
+    out, (queries, keys, v, near_start, far_keys) = _split(monkeypatch, name, "small", True, 100_000)
+    assert groups
+    reference = _dense(*queries, *keys, v, _which(near_start, far_keys), 16**-0.5)
+    torch.testing.assert_close(out.double(), reference, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batched_band_call_takes_the_efficient_ops_arguments_on_the_meta_device(dtype):
+    q = torch.empty(6, 8, 128, 64, device="meta", dtype=dtype)  # 3 blocks x batch 2, 4 heads; 2 key heads
+    k = torch.empty(6, 4, 191, 64, device="meta", dtype=dtype)
+    mask = torch.empty(6, 128, 191, device="meta", dtype=dtype)
+    op = getattr(torch.ops.aten, torch_compat.CUDA_EFFICIENT_OP)
+    out, lse = lse_attention._efficient_blocks(q, k, k, mask, 0.125, op)
+    assert out.shape == (6, 8, 128, 64) and out.dtype == dtype
+    assert lse.shape == (6, 8, 128) and lse.dtype == torch.float32
 
 
 def test_cuda_adapter_refuses_a_causal_call_that_is_not_square(emulated_cuda):

@@ -14,7 +14,8 @@ has a shape the kernel knows (its causal flag aligns the diagonal top-left; ever
   ``near`` on against the keys up to ``T - near``;
 - runs of rows with one near start (DCA's chunks and windows; blocks follow the runs): the near keys are the causal
   square of the block plus the keys before it that every row sees, and the far keys end at the same key for all;
-- otherwise (a band's near keys, the rows where sinks begin) one call per block with an additive 0 / -inf mask.
+- otherwise (a band's near keys, the rows where sinks begin) one call per block with an additive 0 / -inf mask;
+  on CUDA a band's full blocks go many to one call, in the batch dimension (``BATCHED_BAND``).
 
 Queries run in blocks of at most ``BLOCK`` rows (a band's are about as wide as the band, at least ``MIN_BLOCK``).
 Disjoint key sets of one softmax merge exactly: ``out = o_a + sigmoid(lse_b - lse_a) * (o_b - o_a)``,
@@ -38,6 +39,8 @@ import torch
 
 from ..compat.torch import CPU_FLASH_TESTED as TESTED_TORCH  # the pin lives with the op
 from ..compat.torch import (
+    CUDA_EFFICIENT_OP,
+    EFFICIENT_BIAS_ALIGN,
     ampere_or_newer,
     cpu_flash_attention,
     cpu_flash_attention_tested,
@@ -52,6 +55,12 @@ BLOCK = 1024
 MIN_BLOCK = 128
 #: blocks follow runs of one near start when there are at most T / MIN_RUN of them
 MIN_RUN = 64
+#: a band's masked near-key calls, many blocks to one kernel call (blocks in the batch dimension): None runs them so
+#: on CUDA only, True / False everywhere / nowhere (the tests force it on CPU)
+BATCHED_BAND: bool | None = None
+#: most bytes of one batched call's mask and gathered key/value copies (the blocks' key windows overlap, so the
+#: copies are larger than the keys; the bound keeps that beside a model's activations)
+BATCH_BYTES = 64 << 20
 #: dtypes the fused kernels run natively, per device type
 DTYPES = {"cpu": (torch.float32, torch.bfloat16), "cuda": (torch.float32, torch.bfloat16, torch.float16)}
 
@@ -108,8 +117,8 @@ def split_attention(queries, keys, value: torch.Tensor, near_start: torch.Tensor
     first = T - 1 - int(far_end[-1])  # the last row without far keys, if so
     triangle = first >= -1 and torch.equal(far_end, (rows - first).clamp(min=0))
     lse_all = torch.empty(batch, heads, T, dtype=torch.float32, device=device) if triangle else None
-    for a, b in _blocks(near_start):
-        o, lse = _keys(q0, k0, value, a, b, near_start[a:b], near=True, scale=scale)
+    blocks, band = _blocks(near_start)
+    for (a, b), (o, lse) in zip(blocks, _near(q0, k0, value, blocks, band, near_start, scale)):
         end = far_end[a:b]
         if triangle:
             lse_all[..., a:b] = lse
@@ -123,20 +132,100 @@ def split_attention(queries, keys, value: torch.Tensor, near_start: torch.Tensor
     return out if q0.dtype == torch.float32 else out.to(q0.dtype)
 
 
-def _blocks(near_start: torch.Tensor):
-    """Blocks of query rows (a, b). Where the near range starts at the same key for long runs of rows (DCA: a chunk,
-    its window), blocks follow the runs, so that every call of a block is mask-free; otherwise (a band: the start
-    moves with the row) blocks of about the near range's width keep the band's masked call small."""
+def _blocks(near_start: torch.Tensor) -> tuple[list[tuple[int, int]], int | None]:
+    """Blocks of query rows [(a, b), ...], and their size where they are a band's (else None). Where the near range
+    starts at the same key for long runs of rows (DCA: a chunk, its window), blocks follow the runs, so that every
+    call of a block is mask-free; otherwise (a band: the start moves with the row) blocks of about the near range's
+    width, all of one size but the last, keep the band's masked call small."""
     T = near_start.numel()
     changes = (near_start[1:] != near_start[:-1]).nonzero().flatten() + 1
     if changes.numel() * MIN_RUN <= T:
-        cuts, size = [0, *changes.tolist(), T], BLOCK
+        cuts, size, band = [0, *changes.tolist(), T], BLOCK, None
     else:
         width = int((torch.arange(T, device=near_start.device) - near_start).max()) + 1
         cuts, size = [0, T], max(MIN_BLOCK, min(BLOCK, width))
-    for lo, hi in zip(cuts, cuts[1:]):
-        for a in range(lo, hi, size):
-            yield a, min(a + size, hi)
+        band = size
+    return [(a, min(a + size, hi)) for lo, hi in zip(cuts, cuts[1:]) for a in range(lo, hi, size)], band
+
+
+def _near(q, k, v, blocks, band: int | None, near_start: torch.Tensor, scale: float):
+    """(output, log-sum-exp) of each block's near keys, in the order of ``blocks``. A band's full blocks whose call
+    is masked run batched, up to ``BATCH_BYTES`` at a time, where ``BATCHED_BAND`` says so; the rest one by one."""
+    batched = BATCHED_BAND if BATCHED_BAND is not None else q.device.type == "cuda"
+    full = near_start.numel() // band if band and batched else 0
+    if full:
+        starts = near_start[: full * band].view(full, band)
+        lo, hi = starts.min(1).values, starts.max(1).values
+        masked = (lo != hi).tolist()
+        width = int((torch.arange(1, full + 1, device=q.device) * band - lo).max())  # the widest key window
+        # bytes per block: the mask (and its aligned copy), key and value windows (and on CUDA their heads expanded)
+        mask_bytes = 2 * band * (width + EFFICIENT_BIAS_ALIGN)
+        kv_bytes = 2 * q.shape[0] * (q.shape[1] + k.shape[1]) * width * v.shape[-1]
+        most = max(1, BATCH_BYTES // ((mask_bytes + kv_bytes) * q.element_size()))
+    i = 0
+    while i < len(blocks):
+        if i < full and masked[i]:
+            j = i
+            while j < min(full, i + most) and masked[j]:
+                j += 1
+            yield from _near_batched(q, k, v, i * band, j - i, band, near_start, scale)
+            i = j
+        else:
+            a, b = blocks[i]
+            yield _keys(q, k, v, a, b, near_start[a:b], near=True, scale=scale)
+            i += 1
+
+
+def _near_batched(q, k, v, first: int, count: int, size: int, near_start: torch.Tensor, scale: float):
+    """The near keys of ``count`` consecutive blocks of ``size`` rows from row ``first``, in one masked kernel call:
+    on CUDA a band is launch-bound otherwise (a 32k-token forward of a small LLaMA on an H100: 508 masked calls,
+    8,700 launches, 215 ms of CPU time for 49 ms on the GPU). Each block's rows read its key window [b - W, b)
+    (W the group's widest near range; keys before 0 clamped to key 0 and masked); blocks go to the batch dimension,
+    the query batch to the heads (query head n = batch * heads + h reads key head n // (heads / kv_heads), as it
+    should). Yields (output (batch, heads, size, dim), log-sum-exp), float32, per block."""
+    batch, heads = q.shape[:2]
+    inf = float("-inf")
+    rows = torch.arange(first, first + count * size, device=q.device).view(count, size)
+    starts = near_start[rows]
+    ends = rows[:, -1] + 1
+    width = int((ends - starts.min(1).values).max())
+    j = ends[:, None] - width + torch.arange(width, device=q.device)  # (count, W) absolute key
+    seen = (j[:, None, :] >= starts[..., None]) & (j[:, None, :] <= rows[..., None])  # (count, size, W)
+    mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, inf)
+
+    def windows(t, index, n):  # (batch, h, T, d) -> (count, batch * h, n, d)
+        return t.index_select(2, index.flatten()).unflatten(2, (count, n)).movedim(2, 0).flatten(1, 2)
+
+    o, lse = _attend_blocks(windows(q, rows, size), windows(k, j.clamp(min=0), width),
+                            windows(v, j.clamp(min=0), width), mask, scale)
+    missed = ~seen.any(-1)[:, None]  # rows without a key: weight 0, not exp(0) (a band has none: key i is near)
+    o = o.float().masked_fill(missed[..., None], 0).view(count, batch, heads, size, -1)
+    lse = lse.float().masked_fill(missed, inf).view(count, batch, heads, size)
+    yield from zip(o, lse)
+
+
+def _attend_blocks(q, k, v, mask, scale: float):
+    """One masked call over blocks in the batch dimension: q (n, heads, L, d), k / v (n, kv_heads, S, d), mask
+    (n, L, S) additive, in q's dtype. CUDA: the memory-efficient op (``_efficient_blocks``); else the CPU flash op,
+    which broadcasts a (n, 1, L, S) mask and reads grouped keys itself."""
+    if q.device.type == "cuda":
+        return _efficient_blocks(q, k, v, mask, scale, getattr(torch.ops.aten, CUDA_EFFICIENT_OP))
+    out = cpu_flash_attention()(q, k, v, 0.0, False, attn_mask=mask[:, None], scale=scale)
+    return out[0], out[1]
+
+
+def _efficient_blocks(q, k, v, mask, scale: float, op):
+    """CUDA's memory-efficient ``op`` as ``ctxext.compat.torch.cuda_attention_with_lse`` calls it (key/value heads
+    expanded to the query heads, log-sum-exp cut back to the queries), with a mask per batch entry: the bias is
+    4D, rows allocated at a multiple of ``EFFICIENT_BIAS_ALIGN`` elements, expanded over the heads."""
+    n, heads, rows, _ = q.shape
+    if k.shape[1] != heads:
+        k, v = (t.repeat_interleave(heads // k.shape[1], dim=1) for t in (k, v))
+    cols = mask.shape[-1]
+    aligned = mask.new_empty(n, rows, -(-cols // EFFICIENT_BIAS_ALIGN) * EFFICIENT_BIAS_ALIGN)[..., :cols]
+    bias = aligned.copy_(mask)[:, None].expand(n, heads, rows, cols)
+    out = op(q, k, v, bias, True, 0.0, False, scale=scale)
+    return out[0], out[1][..., :rows]
 
 
 def _keys(q, k, v, a: int, b: int, bound: torch.Tensor, near: bool, scale: float):
