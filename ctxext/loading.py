@@ -213,7 +213,12 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
 
     spec_file = Path(adapter_dir) / "ctxext_patch.json"
     if spec_file.exists():
-        spec = PatchSpec.from_dict(json.loads(spec_file.read_text()))
+        try:
+            saved = json.loads(spec_file.read_text(encoding="utf-8-sig"))  # a BOM an editor added is harmless
+        except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise PatchError(f"adapter {adapter_dir}: {spec_file.name} cannot be read ({exc}); it records the patch "
+                             "the adapter was trained with: restore it from the training run's output") from None
+        spec = PatchSpec.from_dict(saved)
         active = describe(model)
         if active is None:
             patch(model, spec.method, spec.factor, **spec.options)

@@ -95,3 +95,30 @@ def test_a_picture_already_there_is_replaced_only_with_overwrite(llama_dir, tmp_
     assert mine.read_text() == "not a plot" and not out.exists()
     assert run("--model", llama_dir, *BASE, "--lengths", "32", "--output", out, "--plot", mine, "--overwrite") == 0
     assert mine.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_demos_default_picture_does_not_replace_a_file_already_there(tmp_path, capsys):
+    """`ctxext demo --output X.json` draws X.png: a file of the user's there is refused, as with --plot."""
+    mine = tmp_path / "photo.png"
+    mine.write_text("not a plot")
+    out = tmp_path / "photo.json"
+    assert main(["demo", "--no-progress", "--methods", "none", "--lengths", "128", "--max-tokens", "128",
+                 "--output", str(out)]) == 2
+    assert "photo.png exists; pass --overwrite" in capsys.readouterr().err
+    assert mine.read_text() == "not a plot" and not out.exists()
+
+
+def test_a_heatmap_name_beside_the_plot_is_left_alone_when_no_needle_task_runs(llama_dir, tmp_path):
+    mine = tmp_path / "p_needles.png"
+    mine.write_text("not a heatmap")
+    out = tmp_path / "r.json"
+    assert run("--model", llama_dir, *BASE, "--lengths", "32", "--output", out, "--plot", tmp_path / "p.png") == 0
+    assert mine.read_text() == "not a heatmap" and (tmp_path / "p.png").exists()
+
+
+def test_a_plot_name_without_a_suffix_is_written_as_png(llama_dir, tmp_path):
+    """The pre-run check says matplotlib writes NAME.png; the picture is written there (it failed after the run)."""
+    out = tmp_path / "r.json"
+    assert run("--model", llama_dir, *BASE, "--lengths", "32", "--output", out, "--plot", tmp_path / "pic") == 0
+    assert (tmp_path / "pic.png").read_bytes().startswith(b"\x89PNG")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".pic", "pic"))) == ["pic.png"]

@@ -74,3 +74,27 @@ def test_an_adapter_trained_with_other_options_is_refused(tmp_path):
     (tmp_path / "adapter" / "ctxext_patch.json").write_text(json.dumps(ctxext.describe(trained)))
     with pytest.raises(PatchError, match="beta_fast=32"):
         ctxext.from_pretrained(tmp_path / "base", adapter=str(tmp_path / "adapter"))
+
+
+@pytest.mark.parametrize("damage", [b"", b'{"method": "yarn", "fac', b"\xff\xfe not utf-8"])
+def test_a_damaged_adapter_patch_record_is_a_patch_error_naming_the_file(tmp_path, damage):
+    from peft import LoraConfig, get_peft_model
+
+    tiny_llama().save_pretrained(tmp_path / "base")
+    trained = get_peft_model(ctxext.patch(tiny_llama(), "yarn", 4), LoraConfig(r=2, target_modules=["q_proj"]))
+    trained.save_pretrained(tmp_path / "adapter")
+    (tmp_path / "adapter" / "ctxext_patch.json").write_bytes(damage)
+    with pytest.raises(PatchError, match="ctxext_patch.json cannot be read"):
+        ctxext.from_pretrained(tmp_path / "base", adapter=str(tmp_path / "adapter"))
+
+
+def test_an_adapter_patch_record_with_a_byte_order_mark_loads(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    tiny_llama().save_pretrained(tmp_path / "base")
+    trained = get_peft_model(ctxext.patch(tiny_llama(), "yarn", 4), LoraConfig(r=2, target_modules=["q_proj"]))
+    trained.save_pretrained(tmp_path / "adapter")
+    (tmp_path / "adapter" / "ctxext_patch.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(
+        {k: v for k, v in ctxext.describe(trained).items()}).encode())
+    model = ctxext.from_pretrained(tmp_path / "base", adapter=str(tmp_path / "adapter"))
+    assert ctxext.describe(model)["method"] == "yarn"

@@ -180,11 +180,10 @@ def plan_eval(args) -> EvalPlan:
     plot = args.plot or (str(Path(output).with_suffix(".png")) if demo else None)
     replace = args.resume or args.overwrite
     if plot:
-        _check_picture(plot, data=args.data, output=output, replace=replace or not args.plot)
-    heatmap = args.heatmap or _beside(plot)
+        _check_picture(plot, data=args.data, output=output, replace=replace)
+    heatmap = args.heatmap or (_beside(plot) if tasks else None)  # needle tasks draw one; ppl and passkey do not
     if heatmap:
-        written = _check_picture(heatmap, data=args.data, output=output, flag="--heatmap",
-                                 replace=replace or not args.heatmap)
+        written = _check_picture(heatmap, data=args.data, output=output, flag="--heatmap", replace=replace)
         if plot and written.resolve() == _picture_file(Path(plot)).resolve():
             raise ValueError(f"--heatmap {heatmap} is the --plot file; choose another")
     if not demo:
@@ -235,8 +234,8 @@ def _picture_file(path: Path) -> Path:
 
 def _check_picture(path: str, *, data: str | None, output: str, flag: str = "--plot", replace: bool = True) -> Path:
     """A picture matplotlib can write at ``path`` that replaces neither the data nor this run's results, nor (unless
-    ``replace``: --overwrite / --resume, or a default name beside the results) a file already there; returns the
-    file that will be written."""
+    ``replace``: --overwrite / --resume) a file already there, a default name beside the results included (it may be
+    the user's picture); returns the file that will be written."""
     target = check_file_target(path, flag, "ppl.png")
     if not replace and _picture_file(target).exists():
         raise ValueError(f"{flag} {path}: {_picture_file(target)} exists; pass --overwrite to replace it, or choose "

@@ -300,21 +300,24 @@ def write_pictures(plan, rows: list[dict[str, Any]], models: list[dict[str, Any]
     """Draw the plan's pictures that the rows have data for, each written whole (a temporary file renamed into
     place); yields (what, file) after each, so the caller can name it before the next one is drawn."""
     if plan.plot and any(r.get("kind", "ppl") == "ppl" and r.get("ppl") for r in rows):
-        _replace(plan.plot, lambda tmp: plot(rows, models, tmp, title=plot_title(document)))
-        yield "plot", plan.plot
+        yield "plot", _replace(plan.plot, lambda tmp: plot(rows, models, tmp, title=plot_title(document)))
     if plan.heatmap and any(r.get("depths") and r.get("kind") not in ("ppl", "passkey") for r in rows):
-        _replace(plan.heatmap, lambda tmp: needle_heatmap(rows, models, tmp))
-        yield "needle heatmap", plan.heatmap
+        yield "needle heatmap", _replace(plan.heatmap, lambda tmp: needle_heatmap(rows, models, tmp))
 
 
-def _replace(target: str, draw) -> None:
+def _replace(target: str, draw) -> str:
+    """Draw into a temporary file beside ``target`` and rename it into place; returns the file written: ``target``,
+    with ``.png`` added where it has no suffix (matplotlib's default format, as the pre-run check expects)."""
     path = Path(target)
+    if not path.suffix:
+        path = path.with_name(path.name + ".png")
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # the suffix tells the format
     try:
         draw(tmp)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+    return str(path)
 
 
 def plot_title(document: dict[str, Any]) -> str:
