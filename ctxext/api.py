@@ -19,7 +19,7 @@ from .core.errors import PatchError
 from .core.own_config import own_config
 from .methods.temperature import OPTION as TEMPERATURE
 from .methods.registry import METHODS, resolve_method, validate_factor, validate_options
-from .core.spec import CONFIG_KEY, SAVED_AS_KEY, PatchSpec, install_save_mark, unmark_live_config
+from .core.spec import CONFIG_KEY, LENGTH_ABSENT_KEY, SAVED_AS_KEY, PatchSpec, install_save_mark, unmark_live_config
 
 
 class _Missing:
@@ -163,7 +163,10 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, replace
     restore = functools.partial(run_all, [restore, install_save_hook(model)])
     if adapter.length_attr and spec.patched_length is not None:
         setattr(config, adapter.length_attr, spec.patched_length)
-    setattr(config, CONFIG_KEY, spec.to_dict())
+    block = spec.to_dict()
+    if adapter.length_attr and config_before[adapter.length_attr] is _MISSING:
+        block[LENGTH_ABSENT_KEY] = True  # a reload leaves the attribute out again (take_saved_spec)
+    setattr(config, CONFIG_KEY, block)
     setattr(model, _ACTIVE, _ActivePatch(spec, restore, config_before))
     return model
 
@@ -197,10 +200,14 @@ def take_saved_spec(model: nn.Module) -> PatchSpec | None:
         delattr(model.config, CONFIG_KEY)
         return None
     unmark_live_config(model.config)  # a marked config.json loaded without ctxext (a class-specific load)
-    spec = PatchSpec.from_dict(dict(getattr(model.config, CONFIG_KEY)))
+    block = dict(getattr(model.config, CONFIG_KEY))
+    spec = PatchSpec.from_dict(block)
     delattr(model.config, CONFIG_KEY)
     adapter = find_adapter(model)
-    if adapter.length_attr and spec.original_length is not None:
+    if adapter.length_attr and block.get(LENGTH_ABSENT_KEY) is True:
+        if adapter.length_attr in vars(model.config):
+            delattr(model.config, adapter.length_attr)
+    elif adapter.length_attr and spec.original_length is not None:
         setattr(model.config, adapter.length_attr, spec.original_length)
     return spec
 

@@ -11,7 +11,7 @@ from .api import patch, take_saved_spec
 from .compat import transformers as hf_compat
 from .core.errors import PatchError
 from .data.sources import check_source
-from .core.spec import CONFIG_KEY, TENSORS_KEY, PatchSpec, is_native, unmark_config_dict
+from .core.spec import CONFIG_KEY, LENGTH_ABSENT_KEY, TENSORS_KEY, PatchSpec, is_native, unmark_config_dict
 
 
 def auto_tokenizer(source: Any, **kwargs: Any):
@@ -96,7 +96,9 @@ def _config_from_saved(pretrained: Any, config_dict: dict[str, Any], kwargs: dic
         data = unmark_config_dict(dict(config_dict))
         spec = PatchSpec.from_dict(data[CONFIG_KEY])
         adapter = adapter_for_family(spec.family)
-        if adapter is not None and adapter.length_attr and spec.original_length is not None:
+        if adapter is not None and adapter.length_attr and data[CONFIG_KEY].get(LENGTH_ABSENT_KEY) is True:
+            data.pop(adapter.length_attr, None)  # the config had none before the patch (BLOOM)
+        elif adapter is not None and adapter.length_attr and spec.original_length is not None:
             data[adapter.length_attr] = spec.original_length
     model_type = data.get("model_type")
     if model_type not in CONFIG_MAPPING:

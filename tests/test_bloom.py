@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from checks import (
@@ -247,3 +249,24 @@ def test_already_patched_needs_replace(bloom, ids):
 
 def test_available_methods_for_bloom(bloom):
     assert set(ctxext.available_methods(bloom)) == {"pi", "nope", "extrapolate"}
+
+
+#: what any save and reload changes in a config, patched or not (transformers' own bookkeeping)
+SAVE_ADDS = ("_name_or_path", "dtype", "torch_dtype", "architectures")
+
+
+@pytest.mark.parametrize("method,factor", [("pi", 2.5), ("nope", None)])
+def test_unpatch_after_save_and_reload_gives_the_config_without_a_length(tmp_path, ids, method, factor):
+    """BLOOM configs have no max_position_embeddings; the patch advertises one. A reloaded patched model unpatched
+    gives the original config again (it kept max_position_embeddings=2048), and saves it without one."""
+    original = tiny_bloom()
+    assert "max_position_embeddings" not in vars(original.config)
+    config = original.config.to_dict()
+    ctxext.patch(original, method, factor).save_pretrained(tmp_path / "patched")
+    reloaded = ctxext.unpatch(ctxext.from_pretrained(tmp_path / "patched"))
+    assert "max_position_embeddings" not in vars(reloaded.config)
+    assert {k: v for k, v in reloaded.config.to_dict().items() if k not in SAVE_ADDS} \
+        == {k: v for k, v in config.items() if k not in SAVE_ADDS}
+    reloaded.save_pretrained(tmp_path / "plain")
+    assert "max_position_embeddings" not in json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert "max_position_embeddings" not in vars(ctxext.loading.load_config(str(tmp_path / "patched")))

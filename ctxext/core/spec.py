@@ -35,6 +35,9 @@ NATIVE_KEY = "native"
 #: Key in the saved spec block of a native export whose weights differ from the original model's (GPT-2's resized
 #: table): the file beside the weights holding the tensors they replaced.
 TENSORS_KEY = "native_tensors"
+#: Key in the spec block, present (True) where the model's config had no length attribute before the patch (BLOOM):
+#: a reload then leaves it absent, so that ``unpatch`` gives the config it had, as it does without a save.
+LENGTH_ABSENT_KEY = "length_attr_absent"
 #: Key in the saved spec block: ``"native"`` where the checkpoint was written in its native form (plain transformers
 #: loads it as the patched model); absent where it was marked.
 SAVED_AS_KEY = "saved_as"
