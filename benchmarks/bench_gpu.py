@@ -7,7 +7,8 @@
                                    [--out benchmarks/results/gpu_cost.json]
 
 ``--remap-path`` picks how the remap methods run a long pass: ``lse`` the log-sum-exp merge on torch's fused kernels
-(``CTXEXT_CUDA_LSE=1``, flex off), ``flex`` the compiled flex path, ``loops`` the chunked sdpa loops (both off),
+(``CTXEXT_CUDA_LSE=1``, flex off), ``lse-batched`` the same with a band's blocks batched into one call
+(``CTXEXT_BATCHED_BAND=1``), ``flex`` the compiled flex path, ``loops`` the chunked sdpa loops (both off),
 ``default`` whatever this torch gets without settings. Issue 23's targets: every remap method <= 1.3x sdpa's time
 and <= 1.2x its memory, and the first call at a new length within 2 s of the second (``first_call_extra_s``).
 
@@ -42,8 +43,9 @@ LLAMA_7B = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=4096,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="sdpa")
 #: --remap-path -> the environment the attention paths read at call time
-PATHS = {"default": {}, "lse": {"CTXEXT_CUDA_LSE": "1", "CTXEXT_FLEX": "0"}, "flex": {"CTXEXT_CUDA_LSE": "0"},
-         "loops": {"CTXEXT_CUDA_LSE": "0", "CTXEXT_FLEX": "0"}}
+PATHS = {"default": {}, "lse": {"CTXEXT_CUDA_LSE": "1", "CTXEXT_FLEX": "0"},
+         "lse-batched": {"CTXEXT_CUDA_LSE": "1", "CTXEXT_FLEX": "0", "CTXEXT_BATCHED_BAND": "1"},
+         "flex": {"CTXEXT_CUDA_LSE": "0"}, "loops": {"CTXEXT_CUDA_LSE": "0", "CTXEXT_FLEX": "0"}}
 
 
 def build(variant: str, length: int, dtype, model_name: str = "small"):

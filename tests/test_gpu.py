@@ -240,9 +240,12 @@ def test_split_attention_on_cuda_kernels_matches_the_dense_definition(cuda_merge
 @pytest.mark.parametrize("name", ["band", "band, partial", "band and sinks"])
 def test_a_band_on_cuda_runs_batched_and_matches_the_dense_definition(cuda_merge_path, monkeypatch, name, dtype,
                                                                       atol):
-    """On CUDA a band's masked blocks go many to one call of the memory-efficient kernel, with a bias per block."""
+    """On CUDA a band's masked blocks go many to one call of the memory-efficient kernel, with a bias per block
+    (opt-in: ``CTXEXT_BATCHED_BAND=1``, until this passes on a GPU)."""
     import ctxext.attention.lse as lse_attention
     from test_remap_lse import SHAPES, _dense, _inputs, _which
+
+    monkeypatch.setenv("CTXEXT_BATCHED_BAND", "1")
 
     for attr, value in (("BLOCK", 48), ("MIN_BLOCK", 16), ("MIN_RUN", 4), ("BATCH_BYTES", 100_000)):
         monkeypatch.setattr(lse_attention, attr, value)  # small blocks, several groups
@@ -254,7 +257,7 @@ def test_a_band_on_cuda_runs_batched_and_matches_the_dense_definition(cuda_merge
     queries, keys, v = _inputs(7, batch, T, dtype)
     out = lse_attention.split_attention([t.to(CUDA) for t in queries], [t.to(CUDA) for t in keys], v.to(CUDA),
                                         near_start.to(CUDA), far_keys, 16**-0.5)
-    assert len(groups) > 1 and max(groups) > 1  # batched by default on CUDA, in several calls
+    assert len(groups) > 1 and max(groups) > 1  # batched on CUDA when asked, in several calls
     reference = _dense(*queries, *keys, v, _which(near_start, far_keys), 16**-0.5)
     torch.testing.assert_close(out.double().cpu(), reference, atol=atol, rtol=0)
 

@@ -15,7 +15,7 @@ has a shape the kernel knows (its causal flag aligns the diagonal top-left; ever
 - runs of rows with one near start (DCA's chunks and windows; blocks follow the runs): the near keys are the causal
   square of the block plus the keys before it that every row sees, and the far keys end at the same key for all;
 - otherwise (a band's near keys, the rows where sinks begin) one call per block with an additive 0 / -inf mask;
-  on CUDA a band's full blocks go many to one call, in the batch dimension (``BATCHED_BAND``).
+  a band's full blocks can go many to one call, in the batch dimension (``BATCHED_BAND``; for CUDA, opt-in).
 
 Queries run in blocks of at most ``BLOCK`` rows (a band's are about as wide as the band, at least ``MIN_BLOCK``).
 Disjoint key sets of one softmax merge exactly: ``out = o_a + sigmoid(lse_b - lse_a) * (o_b - o_a)``,
@@ -34,6 +34,8 @@ Measured on CPU: ``benchmarks/bench_remap.py`` (see the report of issue 23).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -56,7 +58,9 @@ MIN_BLOCK = 128
 #: blocks follow runs of one near start when there are at most T / MIN_RUN of them
 MIN_RUN = 64
 #: a band's masked near-key calls, many blocks to one kernel call (blocks in the batch dimension): None runs them so
-#: on CUDA only, True / False everywhere / nowhere (the tests force it on CPU)
+#: on CUDA only where ``CTXEXT_BATCHED_BAND=1`` asks (written after the GPU lease that measured the one-by-one
+#: calls; opt-in until a GPU run of ``tests/test_gpu.py`` passes with it), True / False everywhere / nowhere (the
+#: tests force it on CPU, where it measured the same as one by one)
 BATCHED_BAND: bool | None = None
 #: most bytes of one batched call's mask and gathered key/value copies (the blocks' key windows overlap, so the
 #: copies are larger than the keys; the bound keeps that beside a model's activations)
@@ -151,17 +155,21 @@ def _blocks(near_start: torch.Tensor) -> tuple[list[tuple[int, int]], int | None
 def _near(q, k, v, blocks, band: int | None, near_start: torch.Tensor, scale: float):
     """(output, log-sum-exp) of each block's near keys, in the order of ``blocks``. A band's full blocks whose call
     is masked run batched, up to ``BATCH_BYTES`` at a time, where ``BATCHED_BAND`` says so; the rest one by one."""
-    batched = BATCHED_BAND if BATCHED_BAND is not None else q.device.type == "cuda"
+    batched = BATCHED_BAND if BATCHED_BAND is not None else (
+        q.device.type == "cuda" and os.environ.get("CTXEXT_BATCHED_BAND", "").strip().lower() in ("1", "true", "on"))
     full = near_start.numel() // band if band and batched else 0
     if full:
         starts = near_start[: full * band].view(full, band)
         lo, hi = starts.min(1).values, starts.max(1).values
         masked = (lo != hi).tolist()
         width = int((torch.arange(1, full + 1, device=q.device) * band - lo).max())  # the widest key window
-        # bytes per block: the mask (and its aligned copy), key and value windows (and on CUDA their heads expanded)
-        mask_bytes = 2 * band * (width + EFFICIENT_BIAS_ALIGN)
-        kv_bytes = 2 * q.shape[0] * (q.shape[1] + k.shape[1]) * width * v.shape[-1]
-        most = max(1, BATCH_BYTES // ((mask_bytes + kv_bytes) * q.element_size()))
+        # bytes per block, about: the mask and its aligned copy, the key/value windows (on CUDA their heads
+        # expanded too), the query window and the output, the float32 output, the boolean masks
+        batch, heads, item = q.shape[0], q.shape[1], q.element_size()
+        mask_bytes = 2 * band * (width + EFFICIENT_BIAS_ALIGN) * item + 3 * band * width
+        kv_bytes = 2 * batch * (heads + k.shape[1]) * width * v.shape[-1] * item
+        qo_bytes = batch * heads * band * q.shape[-1] * (2 * item + 4)
+        most = max(1, BATCH_BYTES // (mask_bytes + kv_bytes + qo_bytes))
     i = 0
     while i < len(blocks):
         if i < full and masked[i]:
@@ -198,9 +206,11 @@ def _near_batched(q, k, v, first: int, count: int, size: int, near_start: torch.
 
     o, lse = _attend_blocks(windows(q, rows, size), windows(k, j.clamp(min=0), width),
                             windows(v, j.clamp(min=0), width), mask, scale)
+    o, lse = o.float(), lse.float()
     missed = ~seen.any(-1)[:, None]  # rows without a key: weight 0, not exp(0) (a band has none: key i is near)
-    o = o.float().masked_fill(missed[..., None], 0).view(count, batch, heads, size, -1)
-    lse = lse.float().masked_fill(missed, inf).view(count, batch, heads, size)
+    if bool(missed.any()):
+        o, lse = o.masked_fill(missed[..., None], 0), lse.masked_fill(missed, inf)
+    o, lse = o.view(count, batch, heads, size, -1), lse.view(count, batch, heads, size)
     yield from zip(o, lse)
 
 

@@ -30,7 +30,8 @@ cost what the unpatched model costs. Otherwise the queries go in chunks of at mo
 rotation runs sdpa with a boolean mask; a chunk that mixes rotations runs the ``STRATEGY`` below. A long full pass on
 CPU without autograd under a map that declares its key ranges (``KeySplit``: every method here) skips the chunks: a
 few calls of the fused CPU flash kernel per block of queries, one per key range, merged by log-sum-exp
-(``ctxext.attention.lse``; ``LSE_PATH`` below says exactly when; on CUDA, opt-in until tested there).
+(``ctxext.attention.lse``; ``LSE_PATH`` below says exactly when; on CUDA by default on torch 2.11, where it was
+tested, ``CTXEXT_CUDA_LSE=1`` / ``0`` elsewhere).
 
 Soft-capping and sinks. A model whose attention soft-caps its logits (Gemma 2: ``softcap`` in the call's kwargs,
 ``cap * tanh(score / cap)`` before the mask, as its eager attention does) or adds a learned sink logit per head to
