@@ -5,8 +5,9 @@
 #     bash benchmarks/gpu_check.sh            # results under $OUT (default benchmarks/results/gpu)
 # 1. the gpu tests: the CUDA merge path first (torch's fused kernels, flash-attn where installed), then the rest of
 #    tests/test_gpu.py, then the compiled flex tests with what time is left;
-#    meanwhile, issue 24's retrieving-reference search: two induction_search.py runs at batch 256 (e3's mix over the
-#    lab's 512 ids, and e1's half-text mix), about 3 minutes each, side by side on the same GPU;
+#    meanwhile, issue 24's retrieving-reference search: two induction_search.py runs at batch 256, about 3 minutes
+#    each, side by side on the same GPU: e1's half-text mix (which formed a copy on the first lease, only in
+#    repeated rows) with random spans planted twice in half / all of the text rows (--planted), for copying in prose;
 # 2. issue 23's cost table against sdpa, bf16, on the small benchmark LLaMA at 32k and 128k (merge path, then with
 #    a band's blocks batched: CTXEXT_BATCHED_BAND=1), ALiBi at 32k on its own;
 # 3. the same on a 7B-class LLaMA config (random weights) at 128k: sdpa, yarn, self-extend.
@@ -24,9 +25,9 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 
 IND=$(mktemp -d)
 timeout 230 python3 benchmarks/induction_search.py --device cuda --batch 256 --steps 8000 --minutes 3 \
-  --synthetic 0.75 --period 4,48 --ids 1000,1512 --log-every 250 --out "$IND/e3_gpu" >"$IND/e3.log" 2>&1 &
+  --synthetic 0.5 --planted 0.5 --period 4,48 --log-every 250 --out "$IND/p50_gpu" >"$IND/p50.log" 2>&1 &
 timeout 230 python3 benchmarks/induction_search.py --device cuda --batch 256 --steps 8000 --minutes 3 \
-  --synthetic 0.5 --period 4,48 --log-every 250 --out "$IND/e1_gpu" >"$IND/e1.log" 2>&1 &
+  --synthetic 0.5 --planted 1.0 --period 4,48 --log-every 250 --out "$IND/p100_gpu" >"$IND/p100.log" 2>&1 &
 
 echo "== gpu tests: the merge path on CUDA's fused kernels (and flash-attn where installed)" | tee -a "$OUT/gpu_tests.txt"
 MERGE="merge_path or cuda_kernels or flash_attn or batched"
@@ -40,8 +41,8 @@ timeout 30 python3 -m pytest -m gpu -q -rfE -p no:cacheprovider tests/test_flex_
   | tail -15 | tee -a "$OUT/gpu_tests.txt"
 
 wait
-tail -n 3 "$IND"/e3.log "$IND"/e1.log
-for run in e3_gpu e1_gpu; do  # the log travels inside its run's tar (a lease returns 8 files at most)
+tail -n 3 "$IND"/p50.log "$IND"/p100.log
+for run in p50_gpu p100_gpu; do  # the log travels inside its run's tar (a lease returns 8 files at most)
   cp "$IND/$run.jsonl" "$IND/$run/" 2>/dev/null; (cd "$IND" && tar czf "$OUT/$run.tar.gz" "$run" 2>/dev/null)
 done
 

@@ -60,6 +60,23 @@ def text_rows(stream: torch.Tensor, n: int, gen: torch.Generator):
     return windows[:, :-1], windows[:, 1:]
 
 
+def plant_spans(rows: torch.Tensor, targets: torch.Tensor, share: float, gen: torch.Generator,
+                ids: tuple[int, int], span: tuple[int, int] = (8, 24)) -> None:
+    """In place, in a ``share`` of the text rows: one random span of ``span`` tokens written at a random place in the
+    first half of the window and again later, as the ``far`` probe does, so that copying by content pays inside
+    prose too (the GPU runs learned it only in repeated rows from a separator on). Targets stay next tokens."""
+    n = int(round(len(rows) * share))
+    for i in range(n):
+        p = int(torch.randint(span[0], span[1] + 1, (1,), generator=gen))
+        first = int(torch.randint(1, LENGTH // 2 - p, (1,), generator=gen))
+        second = int(torch.randint(first + p + 1, LENGTH - p + 1, (1,), generator=gen))
+        x = torch.randint(ids[0], ids[1], (p,), generator=gen)
+        for start in (first, second):
+            rows[i, start : start + p] = x
+            targets[i, start - 1 : start + p - 1] = x  # the next token of each position before and inside the span
+        # the token after each span in the stream is unchanged: its target stays the text's
+
+
 @torch.no_grad()
 def probes(model, stream: torch.Tensor, ids: tuple[int, int], n: int = 32) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1234)
@@ -95,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--log-every", type=int, default=100)
+    p.add_argument("--planted", type=float, default=0.0,
+                   help="share of the text rows with a random span planted twice (copying inside prose)")
     p.add_argument("--minutes", type=float, default=None,
                    help="stop after this long (probed and saved, the schedule left unfinished); for a GPU lease")
     p.add_argument("--out", type=Path, required=True, help="checkpoint folder; the log goes to OUT.jsonl")
@@ -124,6 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.time()
     for step in range(1, args.steps + 1):
         parts = [text_rows(stream, args.batch - n_synthetic, gen)] if n_synthetic < args.batch else []
+        if parts and args.planted:
+            parts[0] = tuple(t.clone() for t in parts[0])  # views of the stream: planted into copies
+            plant_spans(*parts[0], args.planted, gen, ids)
         if n_synthetic:
             parts.append(repeated_rows(n_synthetic, gen, period, ids))
         rows = torch.cat([r for r, _ in parts]).to(args.device)
