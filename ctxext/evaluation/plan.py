@@ -184,7 +184,7 @@ def plan_eval(args) -> EvalPlan:
     heatmap = args.heatmap or (_beside(plot) if tasks else None)  # needle tasks draw one; ppl and passkey do not
     if heatmap:
         written = _check_picture(heatmap, data=args.data, output=output, flag="--heatmap", replace=replace)
-        if plot and written.resolve() == _picture_file(Path(plot)).resolve():
+        if plot and written.resolve() == picture_file(Path(plot)).resolve():
             raise ValueError(f"--heatmap {heatmap} is the --plot file; choose another")
     if not demo:
         _check_sources(args)
@@ -227,7 +227,7 @@ def _beside(plot: str | None) -> str | None:
     return str(path.with_name(f"{path.stem}_needles{path.suffix or '.png'}"))
 
 
-def _picture_file(path: Path) -> Path:
+def picture_file(path: Path) -> Path:
     """The file matplotlib writes for ``path``: a name without a suffix gets ``.png`` (its savefig.format)."""
     return path if path.suffix else path.with_name(path.name + ".png")
 
@@ -237,14 +237,14 @@ def _check_picture(path: str, *, data: str | None, output: str, flag: str = "--p
     ``replace``: --overwrite / --resume) a file already there, a default name beside the results included (it may be
     the user's picture); returns the file that will be written."""
     target = check_file_target(path, flag, "ppl.png")
-    if not replace and _picture_file(target).exists():
-        raise ValueError(f"{flag} {path}: {_picture_file(target)} exists; pass --overwrite to replace it, or choose "
+    if not replace and picture_file(target).exists():
+        raise ValueError(f"{flag} {path}: {picture_file(target)} exists; pass --overwrite to replace it, or choose "
                          f"another {flag}")
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise ValueError(f"{flag} needs matplotlib: pip install 'ctxext[eval]'") from None
-    written = _picture_file(target)
+    written = picture_file(target)
     for other, what in ((data, "the data"), (output, "the --output results"),
                         (jsonl_path(output), "the --output rows file")):
         if other and written.resolve() == Path(other).resolve():

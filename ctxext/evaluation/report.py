@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from .plan import picture_file
+
 
 def _fmt(value: Any, kind: str) -> str:
     if value is None:
@@ -306,11 +308,9 @@ def write_pictures(plan, rows: list[dict[str, Any]], models: list[dict[str, Any]
 
 
 def _replace(target: str, draw) -> str:
-    """Draw into a temporary file beside ``target`` and rename it into place; returns the file written: ``target``,
-    with ``.png`` added where it has no suffix (matplotlib's default format, as the pre-run check expects)."""
-    path = Path(target)
-    if not path.suffix:
-        path = path.with_name(path.name + ".png")
+    """Draw into a temporary file beside ``target`` and rename it into place; returns the file written
+    (``plan.picture_file``: the name the pre-run check expects)."""
+    path = picture_file(Path(target))
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # the suffix tells the format
     try:
         draw(tmp)
