@@ -56,6 +56,12 @@ CASES = [
     Case("patch-none", lambda: None, lambda m: ctxext.patch(m, "pi", 2), NOT_HF + r".*got None"),
     Case("patch-fake-config", _FakeConfigModel, lambda m: ctxext.patch(m, "pi", 2),
          r"ctxext.patch needs a transformers model.*got _FakeConfigModel with a \.config of type Config"),
+    # a float32 model whose rotary frequencies a cast to bf16 / fp16 and back rounded: the cast is named, not an
+    # "unknown rotary variant"
+    Case("patch-cast-bf16-and-back", lambda: tiny_llama().to(torch.bfloat16).float(),
+         lambda m: ctxext.patch(m, "ntk", 4), r"rounded to bfloat16: the model was cast to bfloat16 and back"),
+    Case("patch-cast-fp16-and-back", lambda: tiny_llama().to(torch.float16).float(),
+         lambda m: ctxext.patch(m, "yarn", 4), r"rounded to float16: the model was cast to float16 and back"),
     Case("unpatch-linear", _linear, ctxext.unpatch, r"ctxext\.unpatch " + NOT_HF),
     Case("describe-string", lambda: "a string", ctxext.describe, r"ctxext\.describe " + NOT_HF),
     Case("available-methods-linear", _linear, ctxext.available_methods, r"ctxext\.available_methods needs"),

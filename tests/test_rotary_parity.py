@@ -153,3 +153,13 @@ def test_a_bfloat16_model_at_factor_1_and_after_unpatch_is_unchanged():
         assert not torch.equal(model(ids).logits, before)
         ctxext.unpatch(model)
         assert torch.equal(model(ids).logits, before)
+
+
+
+def test_an_unknown_float32_frequency_formula_is_still_called_unknown():
+    model = tiny_llama()
+    for _, module in rotary_modules(model):
+        module.inv_freq.mul_(1.01)
+        module.original_inv_freq.mul_(1.01)
+    with pytest.raises(ctxext.PatchError, match="does not know this rotary variant"):
+        ctxext.patch(model, "ntk", 4)

@@ -247,6 +247,21 @@ def long_frequencies(unit: RotaryUnit) -> torch.Tensor:
     return _shipped(unit, "longrope", seq_len=_longrope_original(unit) + 1)
 
 
+def _rounded_by_cast(inv_freq: torch.Tensor, bases) -> str:
+    """Why a float buffer misses base**(-2i/d): the formula rounded to a half dtype (a model cast ``.to(bfloat16)``
+    and back: the cast rounds the buffer with the weights, the way back does not restore it), else an unknown
+    variant."""
+    dim = 2 * inv_freq.numel()
+    for dtype in (torch.bfloat16, torch.float16):
+        for b in bases:  # built in float32, as transformers' default rope init builds it
+            built = 1.0 / (float(b) ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+            if torch.equal(inv_freq.cpu(), built.to(dtype).float()):
+                name = str(dtype).removeprefix("torch.")
+                return (f"it equals that formula rounded to {name}: the model was cast to {name} and back, which "
+                        f"rounds the rotary frequencies for good; reload it in float32, or patch it in {name}")
+    return "ctxext does not know this rotary variant"
+
+
 def unit_inputs(unit: RotaryUnit, original_length: int, method: str | None = None) -> rope.RopeInputs:
     """The frequencies ``method`` starts from on ``unit``: plain RoPE (checked against base**(-2i/d)), or the
     frequencies a shipped scaled rope type (``rotary_compose.compose_presets``) actually uses, checked against
@@ -278,10 +293,8 @@ def unit_inputs(unit: RotaryUnit, original_length: int, method: str | None = Non
     matching = [b for b in bases if torch.allclose(inv_freq.cpu().double(), 1.0 / (b**exponents), rtol=rtol, atol=0)]
     base = matching[0] if matching else bases[0]
     if not matching:
-        raise PatchError(
-            f"rotary module {unit.name}: inv_freq does not follow base**(-2i/d) with rope_theta={base}; "
-            "ctxext does not know this rotary variant"
-        )
+        raise PatchError(f"rotary module {unit.name}: inv_freq does not follow base**(-2i/d) with rope_theta={base}; "
+                         + _rounded_by_cast(inv_freq, bases))
     if stored.dtype != torch.float32:
         # Scale the float32 frequencies transformers builds (as its default rope init computes them), not the
         # rounded ones: the patched buffer is then what a model built with the native rope type and cast the same
