@@ -36,6 +36,10 @@ def _make(bases, out, args=None, **sections):  # noqa: F811
     ({"label_smoothing_factor": "abc"}, "train.args.label_smoothing_factor: expected a number, got 'abc'"),
     ({"report_to": {"x": 1}}, "train.args.report_to: expected null or a string or a list"),
     ({"dataloader_num_workers": 1.5}, "train.args.dataloader_num_workers: expected a whole number"),
+    ({"torch_compile": 1}, "train.args.torch_compile: expected true/false, got 1"),
+    # a list or mapping for a field that takes an enum's name raised a bare TypeError (unhashable) before
+    ({"optim": ["adamw_torch"]}, "train.args.optim: expected a string, got ['adamw_torch']"),
+    ({"hub_strategy": {"a": 1}}, "train.args.hub_strategy: expected a string, got {'a': 1}"),
 ])
 def test_train_args_refused_with_their_key_path(bases, tmp_path, args, message):  # noqa: F811
     with pytest.raises(RecipeError) as err:

@@ -786,34 +786,23 @@ def check_args(args: dict, err) -> None:
 
 
 def _fits(value: Any, hint: Any) -> bool:
-    """Whether a YAML value fits a TrainingArguments annotation (a form not read here fits)."""
-    import enum
-    import types
-    import typing
+    """Whether a YAML value fits a TrainingArguments annotation: pydantic's strict validation (no true for 1, no 1.5
+    for a whole number, no list for a name; an enum field takes its values' strings)."""
+    from pydantic import TypeAdapter
 
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if hint is type(None) or hint is None:
-        return value is None
-    if origin in (Union, types.UnionType):
-        return any(_fits(value, a) for a in args)
-    if hint is bool:
-        return isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is str:
-        return isinstance(value, str)
-    if hint is dict or origin is dict:
-        return isinstance(value, dict)
-    if hint is list or origin is list:
-        return isinstance(value, list) and (not args or all(_fits(v, args[0]) for v in value))
-    if isinstance(hint, type) and issubclass(hint, enum.Enum):
-        return isinstance(value, hint) or value in {m.value for m in hint}
+    try:
+        adapter = TypeAdapter(hint, config=ConfigDict(strict=True, arbitrary_types_allowed=True))
+    except Exception:  # noqa: BLE001 - an annotation pydantic cannot read: its value is left to transformers
+        return True
+    try:
+        adapter.validate_python(value)
+    except ValidationError:
+        return False
     return True
 
 
 def _type_name(hint: Any) -> str:
+    import enum
     import typing
 
     args = typing.get_args(hint)
@@ -821,6 +810,8 @@ def _type_name(hint: Any) -> str:
         return " or ".join(dict.fromkeys(_type_name(a) for a in args))
     if hint is type(None):
         return "null"
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):  # YAML gives an enum field one of its values' names
+        return "a string"
     names = {bool: "true/false", int: "a whole number", float: "a number", str: "a string", dict: "a mapping"}
     if hint in names:
         return names[hint]
