@@ -244,6 +244,10 @@ class Recipe(BaseModel):
     def source(self) -> Optional[str]:
         return self._source
 
+    def error(self, message: str, problems: list[str] | None = None) -> RecipeError:
+        """A RecipeError that starts with the recipe file, as every recipe error does."""
+        return RecipeError((f"recipe {self.source}: " if self.source else "") + message, problems)
+
     def to_dict(self, absolute_paths: bool = False) -> dict[str, Any]:
         """The recipe as a mapping; ``absolute_paths``: relative data paths made absolute (for a copy saved
         elsewhere, e.g. ``output.dir/recipe.yaml``, which would otherwise read them from its own folder)."""

@@ -54,7 +54,7 @@ def check_output(recipe: Recipe) -> None:
     try:
         check_writable_folder(recipe.output.dir, "output.dir")
     except ValueError as exc:
-        raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "") + str(exc)) from None
+        raise recipe.error(str(exc)) from None
 
 
 def check_data_size(recipe: Recipe, sequences: int, seq_length: int) -> None:
@@ -91,25 +91,29 @@ def check(recipe: Recipe) -> dict[str, Any]:
     except RecipeError as exc:
         problems.extend(exc.problems)
     if problems:
-        prefix = f"recipe {recipe.source}: " if recipe.source else ""
         count = f"{len(problems)} problems: " if len(problems) > 1 else ""
-        raise RecipeError(prefix + count + "; ".join(problems), problems)
+        raise recipe.error(count + "; ".join(problems), problems)
     if recipe.patch.method is not None and spec is None:
         return {"checked_architecture": False}
     seq_length = _seq_length(recipe, spec, model)
     checked = {"checked_architecture": True, "patch": spec, "seq_length": seq_length}
-    if recipe.train.shift_attention:  # the length the patch sets: it must split into groups (LongLoRA's S²-Attn)
-        try:
-            check_shift_attention(seq_length, recipe.train.shift_group_ratio, recipe.patch.method)
-        except PatchError as exc:
-            raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "")
-                              + f"train.shift_attention: {exc}") from None
+    _check_shift_length(recipe, seq_length)  # the length the patch sets
     if recipe.train.pose is not None:
         try:
             checked["pose_target"] = _pose_target(recipe, spec, model, seq_length)
         except RecipeError as exc:
-            raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "") + str(exc), exc.problems) from None
+            raise recipe.error(str(exc), exc.problems) from None
     return checked
+
+
+def _check_shift_length(recipe: Recipe, seq_length: int, model=None) -> None:
+    """train.shift_attention: the training length splits into groups (LongLoRA's S²-Attn), the model's attention
+    can be replaced (with ``model``)."""
+    if recipe.train.shift_attention:
+        try:
+            check_shift_attention(seq_length, recipe.train.shift_group_ratio, recipe.patch.method, model=model)
+        except PatchError as exc:
+            raise recipe.error(f"train.shift_attention: {exc}") from None
 
 
 def _advertised_length(model) -> int | None:
@@ -264,7 +268,7 @@ def check_output_folder(recipe: Recipe) -> None:
     try:
         _refuse_finished_or_stale(recipe, Path(recipe.output.dir), False, lambda message: None)
     except RecipeError as exc:
-        raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "") + str(exc)) from None
+        raise recipe.error(str(exc)) from None
 
 
 def _clear_run(out: Path) -> None:
@@ -370,17 +374,11 @@ def run(
     check_data_size(recipe, len(data), seq_length)
     digest = hashlib.sha256(data.sequences.numpy().tobytes()).hexdigest()  # the training tokens, as packed
     if saved is not None and saved.get("data_sha256") not in (None, digest):  # None: a checkpoint without it
-        raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "") + "cannot resume: the training data "
-                          "changed since the run started (the packed tokens differ: a data file's content, or the "
-                          "tokenizer); resume with the data the run started with, or start over with "
-                          "--set output.overwrite=true")
+        raise recipe.error("cannot resume: the training data changed since the run started (the packed tokens "
+                           "differ: a data file's content, or the tokenizer); resume with the data the run started "
+                           "with, or start over with --set output.overwrite=true")
     record["data_sha256"] = digest
-    if t.shift_attention:  # the length is known only now (the patch can set it): checked before any training
-        try:
-            check_shift_attention(seq_length, t.shift_group_ratio, recipe.patch.method, model=model)
-        except PatchError as exc:
-            raise RecipeError((f"recipe {recipe.source}: " if recipe.source else "")
-                              + f"train.shift_attention: {exc}") from None
+    _check_shift_length(recipe, seq_length, model)  # the length is known only now (the patch can set it)
     # -- only now, with the model loaded and the data read, is the output folder made (or an old run cleared):
     # a recipe that fails before this point leaves output.dir exactly as it was
     state.wait_for_everyone()

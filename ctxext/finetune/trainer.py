@@ -41,9 +41,8 @@ def training_arguments(recipe: Recipe, accumulation: int, progress: bool, use_cp
     try:
         return TrainingArguments(**mapped)
     except (ValueError, TypeError, ImportError) as exc:
-        where = f"recipe {recipe.source}: " if recipe.source else ""  # as every other recipe error starts
-        raise RecipeError(f"{where}train: transformers.TrainingArguments refused the training settings (train keys "
-                          f"and train.args): {' '.join(str(exc).split())}") from None
+        raise recipe.error("train: transformers.TrainingArguments refused the training settings (train keys and "
+                           f"train.args): {' '.join(str(exc).split())}") from None
 
 
 class RunTrainer(Trainer):
