@@ -129,3 +129,22 @@ def test_a_deep_copy_of_a_patched_learned_table_follows_its_own_weights():
     ids = torch.randint(0, 128, (1, 50), generator=torch.Generator().manual_seed(5))
     assert torch.equal(model(ids).logits, ctxext.patch(tiny_gpt2(0), "pi", 2)(ids).logits)
     assert torch.equal(twin(ids).logits, ctxext.patch(tiny_gpt2(1), "pi", 2)(ids).logits)
+
+
+@pytest.mark.parametrize("method, options", [("self-extend", {}), ("alibi", {}), ("yarn", {"temperature": "logn"})])
+def test_the_attention_implementation_can_be_set_again_after_unpatch_and_on_a_copy(method, options):
+    """While patched, another attention implementation is refused (it would run the model without the patch); after
+    unpatch it is the user's again, on the model and on a deep copy unpatched on its own."""
+    model = tiny_llama().eval()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    ctxext.patch(model, method, 4, **options)
+    twin = copy.deepcopy(model)
+    ctxext.unpatch(model)
+    with pytest.raises(PatchError, match="runs this model's attention"):  # the copy keeps its own patch and guard
+        twin.set_attn_implementation("eager")
+    model.set_attn_implementation("eager")
+    assert model.config._attn_implementation == "eager"
+    ctxext.unpatch(twin)
+    twin.set_attn_implementation("eager")
+    with torch.no_grad():
+        assert torch.equal(twin(ids).logits, model(ids).logits)

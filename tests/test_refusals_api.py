@@ -62,6 +62,13 @@ CASES = [
          lambda m: ctxext.patch(m, "ntk", 4), r"rounded to bfloat16: the model was cast to bfloat16 and back"),
     Case("patch-cast-fp16-and-back", lambda: tiny_llama().to(torch.float16).float(),
          lambda m: ctxext.patch(m, "yarn", 4), r"rounded to float16: the model was cast to float16 and back"),
+    # a patch that runs inside ctxext's attention: another implementation set afterwards would silently drop it
+    Case("set-attn-after-self-extend", lambda: ctxext.patch(tiny_llama(), "self-extend", 4),
+         lambda m: m.set_attn_implementation("eager"), r"'self-extend' patch runs this model's attention as"),
+    Case("set-attn-after-alibi-gpt2", lambda: ctxext.patch(tiny_gpt2(), "alibi", 4),
+         lambda m: m.set_attn_implementation("sdpa"), r"'alibi' patch runs this model's attention as 'ctxext_alibi'"),
+    Case("set-attn-after-temperature", lambda: ctxext.patch(tiny_llama(), "yarn", 4, temperature="logn"),
+         lambda m: m.set_attn_implementation("sdpa"), r"call ctxext\.unpatch\(model\) first"),
     Case("unpatch-linear", _linear, ctxext.unpatch, r"ctxext\.unpatch " + NOT_HF),
     Case("describe-string", lambda: "a string", ctxext.describe, r"ctxext\.describe " + NOT_HF),
     Case("available-methods-linear", _linear, ctxext.available_methods, r"ctxext\.available_methods needs"),

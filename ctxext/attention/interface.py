@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import types
+
 from torch import nn
 
 from ..compat import transformers as hf_compat
@@ -77,19 +79,45 @@ def use_attention(model: nn.Module, name: str = ALIBI):
         if reason:
             raise PatchError(f"cannot use attention {name!r}: {reason}")
     before = [(config, hf_compat.stored_attn_implementation(config)) for config in _configs(model)]
+    outermost = GUARD not in vars(model)  # a switch inside another (a probe while patched) keeps the outer guard
 
     def restore():
+        if outermost:
+            vars(model).pop(GUARD, None)
         for config, value in before:
             hf_compat.restore_attn_implementation(config, value)
 
     try:
-        model.set_attn_implementation(name)
+        type(model).set_attn_implementation(model, name)  # the class's: the instance's own is the guard below
         if hf_compat.attn_implementation(model.config) != name:
             raise PatchError(f"{type(model).__name__} refused attention implementation {name!r}")
+        if outermost:
+            setattr(model, GUARD, types.MethodType(_switch_refused, model))
     except BaseException:
         restore()
         raise
     return restore
+
+
+#: The model method a switched model refuses (an instance attribute while switched, as ``save_pretrained``'s hook in
+#: ``ctxext.export``; a deepcopy rebinds it to the copy).
+GUARD = "set_attn_implementation"
+
+
+def _switch_refused(self: nn.Module, attn_implementation, *args, **kwargs):
+    """``set_attn_implementation`` of a model whose attention ctxext switched: the patch (or the shift attention)
+    runs inside the registered function, so another implementation would silently run the model without it (the
+    rotary module of a remap patch is an identity: no positions at all). The current one is accepted as a no-op."""
+    current = hf_compat.attn_implementation(self.config)
+    if attn_implementation == current:
+        return type(self).set_attn_implementation(self, attn_implementation, *args, **kwargs)
+    from ..core.active import ACTIVE
+
+    active = getattr(self, ACTIVE, None)
+    owner = f"ctxext's {active.spec.method!r} patch" if active is not None else "ctxext"
+    raise PatchError(f"{type(self).__name__}.set_attn_implementation({attn_implementation!r}): {owner} runs this "
+                     f"model's attention as {current!r}, and another implementation would silently run it without "
+                     "the patch; call ctxext.unpatch(model) first, set the implementation, then patch again")
 
 
 __all__ = ["MISSING_HOOK", "SHIFT", "can_use_attention", "require_attention", "use_attention"]
