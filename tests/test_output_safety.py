@@ -127,6 +127,16 @@ def test_eval_never_resumes_or_replaces_a_foreign_file(llama_dir, tmp_path, caps
                    "not a ctxext eval rows file")
 
 
+@pytest.mark.parametrize("flag", [[], ["--resume"], ["--overwrite"]])
+def test_two_outputs_sharing_a_rows_file_do_not_replace_each_others_rows(llama_dir, tmp_path, capsys, flag):
+    """``c.json`` and ``c.txt`` keep their rows in one ``c.jsonl``: the second name is refused, with --overwrite too,
+    and the first run's rows stay (before, --overwrite replaced them)."""
+    assert _eval(llama_dir, tmp_path / "c.json") == 0
+    assert_refused(["eval", "--model", llama_dir, *EVAL, "--output", tmp_path / "c.txt", *flag], capsys, tmp_path,
+                   "holds the rows of another run, whose results are")
+    assert _eval(llama_dir, tmp_path / "c.json", "--resume") == 0  # the first run's own name still resumes
+
+
 # -- one writer per output ---------------------------------------------------------------------------------------
 
 

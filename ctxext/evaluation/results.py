@@ -1,7 +1,8 @@
 """Results that survive interruption and never destroy an earlier run.
 
 ``results.json`` gets ``results.jsonl`` beside it. The JSONL starts with a ``run`` line holding the run's
-settings; every finished (model, method, factor, length) row is appended and flushed at once. ``resume=True``
+settings and the results file's name (two outputs that would share one rows file, ``X.json`` and ``X.txt``, are told
+apart by it); every finished (model, method, factor, length) row is appended and flushed at once. ``resume=True``
 keeps the rows of a previous run with the same settings and lets the evaluator skip them.
 
 Nothing on disk changes until a run has a finished row to show for it: a fresh JSONL (header + first row) replaces
@@ -131,6 +132,17 @@ def _is_rows_file(path: Path) -> bool:
     return isinstance(first, dict) and first.get("kind") == "run" and isinstance(first.get("settings"), dict)
 
 
+def _rows_owner(path: Path) -> str | None:
+    """The results file name a rows file's header records (None: not recorded, as in files before ctxext wrote it)."""
+    try:
+        with path.open("rb") as fh:
+            first = json.loads(fh.readline())
+    except (OSError, ValueError, RecursionError):
+        return None
+    owner = first.get("output") if isinstance(first, dict) else None
+    return owner if isinstance(owner, str) else None
+
+
 def _is_result_file(path: Path) -> bool:
     """Whether ``path`` holds a results JSON ctxext eval wrote."""
     try:
@@ -189,6 +201,11 @@ def check_output(output: str | os.PathLike, *, resume: bool, overwrite: bool, fl
     if jsonl.is_file() and jsonl.stat().st_size and not _is_rows_file(jsonl):
         raise ValueError(f"{flag} {output}: {jsonl} exists and is not a ctxext eval rows file; ctxext will not "
                          f"replace it: choose another {flag}")
+    owner = _rows_owner(jsonl) if jsonl.is_file() else None
+    if owner is not None and owner != out.name:  # X.json and X.txt share X.jsonl: --overwrite would replace the other's
+        raise ValueError(f"{flag} {output}: its rows file {jsonl} holds the rows of another run, whose results are "
+                         f"{jsonl.with_name(owner)} (both names keep their rows in {jsonl.name}); choose a {flag} whose name "
+                         "differs before its suffix")
     if not (resume or overwrite):
         rows = finished_rows(out)
         if rows:
@@ -265,7 +282,8 @@ class ResultStore:
         line = json.dumps(row) + "\n"
         if not self._append:  # a fresh run: header and first row replace whatever was there, in one rename
             self.output.parent.mkdir(parents=True, exist_ok=True)
-            _atomic_write(self.jsonl, json.dumps({"kind": "run", "settings": self.settings}) + "\n" + line)
+            header = {"kind": "run", "output": self.output.name, "settings": self.settings}
+            _atomic_write(self.jsonl, json.dumps(header) + "\n" + line)
             self._append = True
             return
         if self._cut:
