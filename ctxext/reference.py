@@ -75,6 +75,19 @@ def reference_path(name: str) -> Path:
     return folder
 
 
+#: How a command names a shipped checkpoint instead of a hub id or folder (``ctxext.`` as the demo labels it).
+MODEL_PREFIXES = ("reference:", "ctxext.reference:")
+
+
+def model_source(model: str) -> str:
+    """A command's model argument as ``from_pretrained`` reads it: ``reference:NAME`` (or ``ctxext.reference:NAME``)
+    becomes the shipped checkpoint's folder; anything else is returned as given. ValueError names the choices."""
+    for prefix in MODEL_PREFIXES:
+        if isinstance(model, str) and model.startswith(prefix):
+            return str(reference_path(model[len(prefix):]))
+    return model
+
+
 def reference_model(name: str, **from_pretrained_kwargs: Any):
     """Load reference model ``name`` with ``ctxext.from_pretrained``, in float32 unless a ``dtype`` is given.
 

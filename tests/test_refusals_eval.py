@@ -68,6 +68,8 @@ EVAL_CASES = [
     ("passkey depth 2", ["--passkey", "--passkey-depths", "2"], "between 0 and 1"),
     ("passkey depth abc", ["--passkey", "--passkey-depths", "abc"], "between 0 and 1"),
     ("passkey trials 0", ["--passkey", "--passkey-trials", "0"], "must be >= 1"),
+    ("unknown reference model", ["--model", "reference:nosuch"], "--model reference:nosuch: unknown reference model"),
+    ("unknown reference evaluator", ["--key-tokens", "--evaluator", "reference:x"], "--evaluator reference:x: unknown"),
     ("length 0", ["--lengths", "0"], "length must be a whole number of tokens >= 2"),
     ("length -5", ["--lengths=-5"], "length must be a whole number of tokens >= 2"),
     ("length abc", ["--lengths", "abc"], "not a length: 'abc'"),
@@ -168,3 +170,12 @@ def test_hub_id_offline_fails_at_once(models, out, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert_refused(["eval", "--model", "org/model", "--data", CORPUS, "--output", out / "new.json"], capsys, out,
                    "HF_HUB_OFFLINE is set")
+
+
+@pytest.mark.parametrize("name", ["reference:llama", "ctxext.reference:gpt2"])
+def test_eval_reads_a_shipped_reference_model_by_name(name, tmp_path, capsys):
+    """As export, search and recipes do: ``reference:NAME`` is the shipped checkpoint, not a hub id."""
+    rc = main(["eval", "--no-progress", "--device", "cpu", "--model", name, "--data", str(CORPUS), "--lengths", "32",
+               "--methods", "none", "--max-windows", "1", "--output", str(tmp_path / "r.json")])
+    assert rc == 0, capsys.readouterr().err
+    assert (tmp_path / "r.json").is_file()

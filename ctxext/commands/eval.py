@@ -49,8 +49,9 @@ _factor = _argument(parse_factor_argument)  # also `ctxext export --factor`
 def add_eval_arguments(p, *, demo: bool) -> None:
     g = p.add_argument_group("model")
     if not demo:
-        g.add_argument("--model", help="hub id, local directory, or directory holding --gguf-file "
-                       "(default: the shipped reference models, as `ctxext demo`)")
+        g.add_argument("--model", help="hub id, local directory, directory holding --gguf-file, or reference:NAME "
+                       "(llama, gpt2, bloom: one shipped reference model) (default: the shipped reference models, as "
+                       "`ctxext demo`)")
         g.add_argument("--gguf-file", help="GGUF file name inside --model")
         g.add_argument("--adapter", help="LoRA adapter directory saved by a ctxext fine-tune")
     g.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or auto")

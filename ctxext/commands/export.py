@@ -13,7 +13,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-REFERENCE_PREFIXES = ("reference:", "ctxext.reference:")
 
 
 def register(sub) -> None:
@@ -35,15 +34,6 @@ def register(sub) -> None:
     p.add_argument("--dtype", default="auto", help="dtype of the saved weights: auto (as loaded, default), "
                    "float32, bfloat16 or float16")
     p.set_defaults(func=run_export)
-
-
-def _source(model: str) -> str:
-    for prefix in REFERENCE_PREFIXES:
-        if model.startswith(prefix):
-            from ..reference import reference_path
-
-            return str(reference_path(model[len(prefix):]))
-    return model
 
 
 def _options(method: str, pairs: list[str] | None) -> dict[str, str]:
@@ -87,8 +77,9 @@ def prepare(args):
     from ..loading import model_skeleton
     from ..methods.registry import resolve_method, validate_factor, validate_options
     from ..data.sources import check_source
+    from ..reference import model_source
 
-    source = _source(args.model)
+    source = model_source(args.model)
     info = resolve_method(args.method)
     factor = validate_factor(info, args.factor)
     options = validate_options(info, _options(info.name, args.option))

@@ -72,7 +72,7 @@ def _check_out(out: Path, source: str, resume: bool, overwrite: bool) -> None:
 
 
 def run_search(args) -> int:
-    from ..commands.export import _source
+    from ..reference import model_source
     from ..core.outputs import OutputLock
     from ..data.sources import check_source
     from ..evaluation.device import resolve_dtype
@@ -85,7 +85,7 @@ def run_search(args) -> int:
     settings = SearchSettings(factor=args.factor, budget=args.budget, minutes=args.minutes,
                               population=args.population, parents=args.parents, progressive=args.progressive,
                               seed=args.seed)
-    source = _source(args.model)
+    source = model_source(args.model)
     out = Path(args.out)
     _check_out(out, source, args.resume, args.overwrite)
     check_source(source, gguf_file=args.gguf_file, what="MODEL")

@@ -142,6 +142,15 @@ class EvalPlan:
 def plan_eval(args) -> EvalPlan:
     """Check every argument, the files they name, the output and the methods x model family; load no model and
     write nothing. ``args`` are the parsed arguments of `ctxext eval` / `ctxext demo` (no ``model``: the demo)."""
+    from ..reference import model_source
+
+    # a shipped checkpoint named as export, search and recipes name it
+    for flag in ("model", "evaluator"):
+        if getattr(args, flag) is not None:
+            try:
+                setattr(args, flag, model_source(getattr(args, flag)))
+            except ValueError as exc:
+                raise ValueError(f"--{flag} {getattr(args, flag)}: {exc}") from None
     demo = args.model is None
     if demo and (args.gguf_file or args.adapter or args.evaluator):
         raise ValueError("--gguf-file, --adapter and --evaluator need --model")
