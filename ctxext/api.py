@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,6 +120,18 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, replace
     Bad input raises ``PatchError`` before anything changes.
     """
     model = base_model(model, "ctxext.patch")
+    try:
+        return _patch(model, method, factor, replace, options)
+    except (NotImplementedError, RuntimeError) as exc:  # raised before any change, or after apply undid its part
+        if "meta" in str(exc) and any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
+            raise PatchError(f"{type(model).__name__} holds tensors on the meta device (no values: built under "
+                             "torch.device('meta'), or loaded without its weights), and this patch reads their "
+                             "values; load the weights first (from_pretrained, or load_state_dict(..., assign=True))"
+                             ) from exc
+        raise
+
+
+def _patch(model: nn.Module, method: str, factor, replace: bool, options: dict) -> nn.Module:
     if not _SAVE_MARK:
         raise PatchError(
             "this transformers version has no PreTrainedConfig.to_json_string, through which ctxext marks saved "

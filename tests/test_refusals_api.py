@@ -209,3 +209,15 @@ def test_peft_wrapped_non_hf_model_is_refused():
 
     with pytest.raises(PatchError, match=r"got Linear with no \.config"):
         ctxext.patch(Wrapper(), "pi", 2)
+
+
+@pytest.mark.parametrize("make, method", [(tiny_llama, "yarn"), (tiny_llama, "self-extend"), (tiny_gpt2, "pi")])
+def test_a_model_on_the_meta_device_is_refused_where_the_patch_reads_values(make, method):
+    """A bare NotImplementedError ("Cannot copy out of meta tensor") before; now a PatchError that says why, with
+    the model and its config unchanged."""
+    with torch.device("meta"):
+        model = make()
+    config = model.config.to_dict()
+    with pytest.raises(PatchError, match="meta device .*load the weights first"):
+        ctxext.patch(model, method, 4)
+    assert model.config.to_dict() == config and ctxext.describe(model) is None

@@ -56,6 +56,9 @@ def parse_options(pairs: list[str] | None) -> dict[str | None, dict[str, str]]:
         if "." in key:
             method, key = key.split(".", 1)
             method = NONE if method.strip().lower() == NONE else resolve_method(method).name
+        if not key.strip():
+            raise ValueError(f"--option {pair}: no option name before '='; give KEY=VALUE or METHOD.KEY=VALUE "
+                             "(e.g. beta_fast=32)")
         out.setdefault(method, {})[key.strip()] = value.strip()
     return out
 
