@@ -12,7 +12,6 @@ before the model's weights load; the folder is refused if it exists, unless ``--
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 

@@ -4,38 +4,27 @@ the LoRA targets against the architecture, patch, wrap with peft LoRA."""
 from __future__ import annotations
 
 import fnmatch
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..core.errors import PatchError
-from .config import REFERENCE_PREFIX, LoraConfig, ModelConfig, Recipe, RecipeError
+from .config import LoraConfig, ModelConfig, Recipe, RecipeError
 
 
 def _dtype(name: str):
     return "auto" if name == "auto" else getattr(torch, name)
 
 
-def reference_dir(name: str) -> Path:
-    """Folder of a shipped reference checkpoint (``reference:llama`` -> ctxext/assets/reference/llama)."""
-    from .. import reference
+def model_source(cfg: ModelConfig) -> str:
+    """Where ``from_pretrained`` reads the model: ``reference:NAME`` becomes the shipped checkpoint's folder."""
+    from ..reference import model_source as shipped_or_given
 
     try:
-        return reference.reference_path(name)
-    except ValueError:
-        raise RecipeError(f"model.name: unknown reference checkpoint {name!r}; choose one of "
-                          + ", ".join(f"{REFERENCE_PREFIX}{n}" for n in reference.REFERENCE_NAMES)) from None
-    except FileNotFoundError as exc:
+        return shipped_or_given(cfg.name)
+    except (ValueError, FileNotFoundError) as exc:
         raise RecipeError(f"model.name: {exc}") from None
-
-
-def model_source(cfg: ModelConfig) -> str:
-    """Where ``from_pretrained`` reads the model: a reference name becomes its folder."""
-    if cfg.name.startswith(REFERENCE_PREFIX):
-        return str(reference_dir(cfg.name[len(REFERENCE_PREFIX):]))
-    return cfg.name
 
 
 def _load_kwargs(cfg: ModelConfig) -> dict[str, Any]:
