@@ -56,12 +56,6 @@ CASES = [
     Case("patch-none", lambda: None, lambda m: ctxext.patch(m, "pi", 2), NOT_HF + r".*got None"),
     Case("patch-fake-config", _FakeConfigModel, lambda m: ctxext.patch(m, "pi", 2),
          r"ctxext.patch needs a transformers model.*got _FakeConfigModel with a \.config of type Config"),
-    # a float32 model whose rotary frequencies a cast to bf16 / fp16 and back rounded: the cast is named, not an
-    # "unknown rotary variant"
-    Case("patch-cast-bf16-and-back", lambda: tiny_llama().to(torch.bfloat16).float(),
-         lambda m: ctxext.patch(m, "ntk", 4), r"rounded to bfloat16: the model was cast to bfloat16 and back"),
-    Case("patch-cast-fp16-and-back", lambda: tiny_llama().to(torch.float16).float(),
-         lambda m: ctxext.patch(m, "yarn", 4), r"rounded to float16: the model was cast to float16 and back"),
     # a patch that runs inside ctxext's attention: another implementation set afterwards would silently drop it
     Case("set-attn-after-self-extend", lambda: ctxext.patch(tiny_llama(), "self-extend", 4),
          lambda m: m.set_attn_implementation("eager"), r"'self-extend' patch runs this model's attention as"),

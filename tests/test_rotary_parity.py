@@ -163,3 +163,25 @@ def test_an_unknown_float32_frequency_formula_is_still_called_unknown():
         module.original_inv_freq.mul_(1.01)
     with pytest.raises(ctxext.PatchError, match="does not know this rotary variant"):
         ctxext.patch(model, "ntk", 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_model_cast_to_half_and_back_is_refused_naming_the_cast_where_the_cast_rounded_its_frequencies(dtype):
+    """``.to(bfloat16).float()``: transformers 5.x keeps the original frequencies in a buffer, which the cast rounds
+    for good; the refusal names the cast (it said "unknown rotary variant") and changes nothing. 4.x keeps them in a
+    plain attribute the cast leaves alone, and the patch starts from those."""
+    model = tiny_llama().to(dtype).float()
+    (_, module), *_ = rotary_modules(model)
+    fresh = dict(rotary_modules(tiny_llama()))
+    rounded = not torch.equal(module.original_inv_freq, next(iter(fresh.values())).original_inv_freq)
+    ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        before = model(ids).logits
+        if not rounded:
+            ctxext.patch(model, "ntk", 4)
+            assert ctxext.describe(model)["method"] == "ntk"
+            return
+        name = str(dtype).removeprefix("torch.")
+        with pytest.raises(ctxext.PatchError, match=f"rounded to {name}: the model was cast to {name} and back"):
+            ctxext.patch(model, "ntk", 4)
+        assert ctxext.describe(model) is None and torch.equal(model(ids).logits, before)
