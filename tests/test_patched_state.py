@@ -142,6 +142,8 @@ def test_the_attention_implementation_can_be_set_again_after_unpatch_and_on_a_co
     ctxext.unpatch(model)
     with pytest.raises(PatchError, match="runs this model's attention"):  # the copy keeps its own patch and guard
         twin.set_attn_implementation("eager")
+    with pytest.raises(PatchError, match="runs this model's attention"):  # the transformers model inside it too
+        twin.model.set_attn_implementation("eager")
     model.set_attn_implementation("eager")
     assert model.config._attn_implementation == "eager"
     ctxext.unpatch(twin)

@@ -79,11 +79,13 @@ def use_attention(model: nn.Module, name: str = ALIBI):
         if reason:
             raise PatchError(f"cannot use attention {name!r}: {reason}")
     before = [(config, hf_compat.stored_attn_implementation(config)) for config in _configs(model)]
-    outermost = GUARD not in vars(model)  # a switch inside another (a probe while patched) keeps the outer guard
+    # the model and every transformers model inside it (``model.model`` has the method too); a switch inside another
+    # (a probe while patched) finds them guarded and leaves the outer guards in place
+    guarded = [m for m in model.modules() if callable(getattr(type(m), GUARD, None)) and GUARD not in vars(m)]
 
     def restore():
-        if outermost:
-            vars(model).pop(GUARD, None)
+        for module in guarded:
+            vars(module).pop(GUARD, None)
         for config, value in before:
             hf_compat.restore_attn_implementation(config, value)
 
@@ -91,8 +93,8 @@ def use_attention(model: nn.Module, name: str = ALIBI):
         type(model).set_attn_implementation(model, name)  # the class's: the instance's own is the guard below
         if hf_compat.attn_implementation(model.config) != name:
             raise PatchError(f"{type(model).__name__} refused attention implementation {name!r}")
-        if outermost:
-            setattr(model, GUARD, types.MethodType(_switch_refused, model))
+        for module in guarded:
+            setattr(module, GUARD, types.MethodType(_switch_refused, module))
     except BaseException:
         restore()
         raise
@@ -113,8 +115,8 @@ def _switch_refused(self: nn.Module, attn_implementation, *args, **kwargs):
         return type(self).set_attn_implementation(self, attn_implementation, *args, **kwargs)
     from ..core.active import ACTIVE
 
-    active = getattr(self, ACTIVE, None)
-    owner = f"ctxext's {active.spec.method!r} patch" if active is not None else "ctxext"
+    active = getattr(self, ACTIVE, None)  # on the outer model (an inner one names no method)
+    owner = f"ctxext's {active.spec.method!r} patch" if active is not None else "ctxext (a patch or the shift attention)"
     raise PatchError(f"{type(self).__name__}.set_attn_implementation({attn_implementation!r}): {owner} runs this "
                      f"model's attention as {current!r}, and another implementation would silently run it without "
                      "the patch; call ctxext.unpatch(model) first, set the implementation, then patch again")
