@@ -47,6 +47,26 @@ def test_a_folder_that_is_not_a_run_is_refused_and_left_as_it_was(bases, tmp_pat
     assert [p.name for p in out.iterdir()] == ["README.md"] and (out / "README.md").read_text() == "my notes\n"
 
 
+@pytest.mark.parametrize("marker", ["checkpoints", "log.jsonl"])
+def test_a_folder_with_a_checkpoints_folder_or_log_of_its_own_is_not_taken_for_a_run(bases, tmp_path, marker):
+    """Only ctxext's own markers make a run's folder: a user's ``checkpoints/`` (not ctxext's old ``step-N``) or
+    ``log.jsonl`` did, and --overwrite then deleted the user's checkpoints, tokenizer/ and merged/."""
+    out = tmp_path / "project"
+    (out / "merged").mkdir(parents=True)
+    (out / "merged" / "model.bin").write_text("weights\n")
+    (out / "README.md").write_text("my project\n")
+    if marker == "checkpoints":
+        (out / "checkpoints" / "my-7b-run").mkdir(parents=True)
+        (out / "checkpoints" / "my-7b-run" / "model.bin").write_text("3 days of GPU\n")
+    else:
+        (out / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    before = {p: p.read_text() for p in out.rglob("*") if p.is_file()}
+    for overwrite in (False, True):
+        with pytest.raises(RecipeError, match="not a ctxext finetune run"):
+            run(recipe_from_dict(quick(bases, out, output={"overwrite": overwrite})), progress=False)
+        assert {p: p.read_text() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_check_reports_a_finished_run_in_output_dir(bases, tmp_path, capsys):
     out = tmp_path / "run"
     run(recipe_from_dict(quick(bases, out)), progress=False)

@@ -68,9 +68,15 @@ def keep_newest(out: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def refuse_old_layout(out: Path) -> None:
+def old_layout(out: Path) -> list[Path]:
+    """The ``checkpoints/step-N`` folders of ctxext's layout before Trainer (a ``checkpoints`` folder of anything
+    else is the user's)."""
     old = Path(out) / OLD_LAYOUT
-    if old.is_dir() and any(p.name.startswith("step-") for p in old.iterdir()):
+    return sorted(p for p in old.iterdir() if p.is_dir() and p.name.startswith("step-")) if old.is_dir() else []
+
+
+def refuse_old_layout(out: Path) -> None:
+    if old_layout(out):
         raise RecipeError(
             f"output.dir {str(out)!r} holds checkpoints in ctxext's old layout ({OLD_LAYOUT}/step-N/), written before "
             f"fine-tuning ran on transformers' Trainer; they cannot be resumed: ctxext now writes Trainer's "
@@ -141,7 +147,10 @@ def set_aside(paths: list[Path]) -> None:
 
 def remove_all(out: Path) -> None:
     """Every checkpoint of an earlier run (also ctxext's old layout, and the damaged ones set aside)."""
-    shutil.rmtree(Path(out) / OLD_LAYOUT, ignore_errors=True)
+    for path in old_layout(out):
+        shutil.rmtree(path, ignore_errors=True)
+    if (Path(out) / OLD_LAYOUT).is_dir() and not any((Path(out) / OLD_LAYOUT).iterdir()):
+        (Path(out) / OLD_LAYOUT).rmdir()
     for path in Path(out).iterdir():
         if path.is_dir() and path.name.removeprefix(DAMAGED_PREFIX).startswith(PREFIX):
             shutil.rmtree(path, ignore_errors=True)

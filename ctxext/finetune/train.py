@@ -252,7 +252,7 @@ def _refuse_finished_or_stale(recipe: Recipe, out: Path, resume: bool, say) -> t
 def _refuse_foreign_folder(out: Path) -> None:
     """A folder that holds files but no run (no run log, no checkpoints) is the user's: a run would replace its
     README.md and recipe.yaml, so it is refused, with --overwrite too."""
-    if not out.is_dir() or (out / RUN_LOG).is_file() or ckpt.checkpoints(out) or (out / ckpt.OLD_LAYOUT).is_dir():
+    if not out.is_dir() or _is_run_log(out / RUN_LOG) or ckpt.checkpoints(out) or ckpt.old_layout(out):
         return
     held = sorted(p.name for p in out.iterdir())
     if held:
@@ -260,6 +260,17 @@ def _refuse_foreign_folder(out: Path) -> None:
         raise RecipeError(f"output.dir {str(out)!r} holds files that are not a ctxext finetune run ({listed}); a run "
                           "writes README.md, recipe.yaml and the adapter there and would replace files of the same "
                           "name: give a new or empty folder")
+
+
+def _is_run_log(path: Path) -> bool:
+    """Whether ``path`` is the log a run writes (its first line the run's start or its evaluation before the patch):
+    a ``log.jsonl`` of the user's does not make the folder a run's."""
+    try:
+        with path.open("rb") as fh:
+            first = json.loads(fh.readline())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(first, dict) and first.get("event") in ("start", "eval")
 
 
 def check_output_folder(recipe: Recipe) -> None:
