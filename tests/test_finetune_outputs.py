@@ -76,6 +76,17 @@ def test_check_reports_a_finished_run_in_output_dir(bases, tmp_path, capsys):
     assert "holds a finished run" in capsys.readouterr().err
 
 
+def test_resume_of_a_finished_run_with_another_recipe_is_refused(bases, tmp_path):
+    """--resume on a finished run returns its summary only for the recipe that ran (it exited 0 with the old numbers
+    for any recipe)."""
+    out = tmp_path / "run"
+    first = run(recipe_from_dict(quick(bases, out)), progress=False)
+    assert run(recipe_from_dict(quick(bases, out)), resume=True, progress=False)["final_loss"] == first["final_loss"]
+    changed = quick(bases, out, train={"steps": 3})
+    with pytest.raises(RecipeError, match=r"the recipe changed \(train.steps: 2 -> 3\)"):
+        run(recipe_from_dict(changed), resume=True, progress=False)
+
+
 def test_overwrite_that_stops_early_leaves_no_part_of_the_old_run(bases, tmp_path):
     """An adapter of the old run beside no patch file would reload, silently, on an unpatched model."""
     out = tmp_path / "run"

@@ -179,9 +179,10 @@ def same_eval(saved: dict[str, Any], recipe: Recipe) -> bool:
     return before == recipe.to_dict(absolute_paths=True)["eval"]
 
 
-def check_compatible(path: Path, recipe: Recipe) -> None:
-    """A resumed run must be the same run: only keys that do not change the result may differ."""
-    saved = read_state(path).get("recipe", {})
+def check_compatible(path: Path, recipe: Recipe, saved: dict[str, Any] | None = None) -> None:
+    """A resumed run must be the same run: only keys that do not change the result may differ. ``saved``: the recipe
+    the run at ``path`` recorded (default: the checkpoint's record)."""
+    saved = dict(read_state(path).get("recipe", {}) if saved is None else saved)
     # data paths as absolute ones: the run's own OUT/recipe.yaml holds them so; a state written before ctxext saved
     # them so holds them as given, read from the current recipe's folder
     for key in ("files", "data"):

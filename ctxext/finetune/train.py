@@ -222,6 +222,11 @@ def _refuse_finished_or_stale(recipe: Recipe, out: Path, resume: bool, say) -> t
     finished = out / "results.json"
     if finished.exists() and not recipe.output.overwrite:
         if resume:
+            saved = out / "recipe.yaml"  # the finished run's recipe: --resume with another one is not this run
+            if saved.is_file():
+                import yaml
+
+                ckpt.check_compatible(out, recipe, yaml.safe_load(saved.read_text()) or {})
             say(f"{out} holds a finished run; nothing to resume")
             return None, [], json.loads(finished.read_text())
         raise RecipeError(
