@@ -230,3 +230,23 @@ def test_a_kill_while_a_checkpoint_is_saved_leaves_the_one_before(bases, tmp_pat
                         progress=False)
     assert resumed["losses"] == uninterrupted["losses"]
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-3"]
+
+
+def test_a_checkpoint_reloads_as_an_adapter_patched_and_in_its_trained_dtype(bases, tmp_path):
+    """``from_pretrained(base, adapter=OUT/checkpoint-N)``: the checkpoint holds the patch file and the recipe beside
+    its adapter (before, it loaded silently unpatched, in the base config's dtype), and the files are listed in the
+    checkpoint's record, so a resume still checks them."""
+    import torch
+
+    import ctxext
+
+    out = tmp_path / "run"
+    base = bases["llama"]
+    run(recipe_from_dict(quick(bases, out, model={"dtype": "float32"})), progress=False)
+    checkpoint = out / "checkpoint-1"
+    model = ctxext.from_pretrained(str(base), adapter=str(checkpoint))
+    spec = ctxext.describe(model.get_base_model())
+    assert (spec["method"], spec["factor"]) == ("pi", 2.0)
+    assert next(model.parameters()).dtype == torch.float32
+    listed = json.loads((checkpoint / "ctxext_state.json").read_text())["files"]
+    assert {"ctxext_patch.json", "recipe.yaml"} <= set(listed)

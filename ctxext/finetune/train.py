@@ -433,7 +433,10 @@ def run(
     say(f"LoRA r={recipe.lora.r}: {n_train:,} trainable of {n_total:,} parameters "
         f"({100 * n_train / n_total:.2f}%)")
     tokens_per_step = t.batch_size * seq_length
-    callback = RunCallback(recipe, record, log, tokens_per_step, stop_after)
+    beside = {"recipe.yaml": recipe.to_yaml(absolute_paths=True)}
+    if spec is not None:
+        beside[PATCH_FILE] = json.dumps(spec, indent=2) + "\n"
+    callback = RunCallback(recipe, record, log, tokens_per_step, stop_after, beside)
     trainer = RunTrainer(model=model, args=args, train_dataset=RunSamples(data, t.steps * t.batch_size),
                          data_collator=default_data_collator, callbacks=[callback])
     from transformers.trainer_callback import PrinterCallback, ProgressCallback

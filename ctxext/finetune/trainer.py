@@ -65,8 +65,12 @@ class RunCallback(TrainerCallback):
     """The run's record: ``log.jsonl`` step records (main process), the losses, a stop on a non-finite loss,
     ``--stop-after N`` (stop with a checkpoint after N steps in this invocation), ctxext's checkpoint record."""
 
-    def __init__(self, recipe: Recipe, record: dict[str, Any], log, tokens_per_step: int, stop_after: int | None):
+    def __init__(self, recipe: Recipe, record: dict[str, Any], log, tokens_per_step: int, stop_after: int | None,
+                 beside_adapter: dict[str, str] | None = None):
         self.recipe, self.record, self.log = recipe, record, log
+        #: files written into each checkpoint beside its adapter (name -> text): the patch file and the recipe, so
+        #: that ``ctxext.from_pretrained(base, adapter=OUT/checkpoint-N)`` loads it patched and in its trained dtype
+        self.beside_adapter = dict(beside_adapter or {})
         self.tokens_per_step, self.stop_after = tokens_per_step, stop_after
         self.ran, self.tic, self.seconds = 0, 0.0, 0.0
 
@@ -115,6 +119,8 @@ class RunCallback(TrainerCallback):
         PartialState().wait_for_everyone()  # every process's files are written before the record that lists them
         if state.is_world_process_zero:
             path = Path(args.output_dir) / f"{ckpt.PREFIX}{state.global_step}"
+            for name, text in self.beside_adapter.items():  # before the record, which lists every file's size
+                (path / name).write_text(text)
             ckpt.write_state(path, dict(self.record, step=state.global_step, recipe=self.recipe.to_dict(True),
                                         world_size=args.world_size))
             self.log.write(event="checkpoint", step=state.global_step, path=str(path))
