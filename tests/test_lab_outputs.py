@@ -150,3 +150,11 @@ def test_shift_window_longer_than_the_held_out_text_is_refused_before_training(t
     line = assert_refused(["lab", "shift", "--quick", "--schemes", "alibi", "--window", "500", "--out",
                            tmp_path / "o", "--no-plot"], capsys, tmp_path, "--window 500")
     assert "100 tokens" in line and "longest window that fits is 99" in line
+
+
+@pytest.mark.parametrize("threads", ["0", "100000"])
+def test_a_thread_count_out_of_range_is_refused(tmp_path, capsys, monkeypatch, threads):
+    """100000 threads ended in a MemoryError inside torch."""
+    no_training(monkeypatch)
+    assert_refused(["lab", "--quick", "--threads", threads, "--out", tmp_path / "o"], capsys, tmp_path,
+                   f"--threads must be between 1 and 1024, got {threads}")

@@ -74,6 +74,12 @@ CASES = [
     ("all-data-excluded", _yaml(_set(BASE, "data.exclude", ["*.txt"])), [], "every file is excluded"),
     ("missing-eval-file", _yaml(_set(BASE, "eval.data", ["held.txt"])), [], "eval.data: 'held.txt' not found"),
     ("output-dir-is-file", _yaml(_set(BASE, "output.dir", "notes.txt")), [], "output.dir: 'notes.txt' is a file"),
+    # tracebacks before: a number as an option name (TypeError), an index overflow mid-run, ~ of no user
+    ("option-name-a-number", _yaml(_set(BASE, "patch.options", {1: 2})), [], "patch.options: unknown option(s) 1"),
+    ("steps-past-an-index", _yaml(_set(BASE, "train.steps", 10 ** 23)), [],
+     "train.steps: input should be less than 2147483648"),
+    ("output-dir-of-no-user", _yaml(_set(BASE, "output.dir", "~nonexistentuser-ctxext/x")), [],
+     "output.dir: '~nonexistentuser-ctxext' names no user's home folder here"),
     ("output-dir-under-file", _yaml(_set(BASE, "output.dir", "notes.txt/run")), [], "cannot be made"),
     ("output-holds-finished-run", _yaml(_set(BASE, "output.dir", "runs/done")), [], "holds a finished run"),
     ("output-holds-checkpoints", _yaml(_set(BASE, "output.dir", "runs/stopped")), [],

@@ -31,8 +31,8 @@ def run(args) -> int:
 
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be a positive integer, got {args.steps}")
-    if args.threads < 1:
-        raise ValueError(f"--threads must be positive, got {args.threads}")
+    if not 1 <= args.threads <= 1024:  # torch allocates per thread: a typo's 100000 ends in a MemoryError
+        raise ValueError(f"--threads must be between 1 and 1024, got {args.threads}")
     if args.probe != "shift" and (args.offsets is not None or args.window is not None):
         raise ValueError("--offsets and --window go with 'ctxext lab shift'")
     if args.schemes is not None:

@@ -149,7 +149,8 @@ class PoseConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: AtLeast1 = 1000
+    #: at most 2**31 - 1: Trainer counts steps in index-sized integers (a longer run is a typo, not a schedule)
+    steps: Annotated[Int, Ge(1), Lt(2 ** 31)] = 1000
     #: global batch: sequences per optimizer step, over all processes
     batch_size: AtLeast1 = 8
     #: sequences per forward pass on one process; gradient accumulation = batch_size / (micro_batch_size x processes)
@@ -220,7 +221,10 @@ class OutputConfig(Section):
     @field_validator("dir")
     @classmethod
     def _home(cls, value: str) -> str:  # expanded once: Trainer and ctxext must write into one folder
-        return str(Path(value).expanduser()) if value.startswith("~") else value
+        try:
+            return str(Path(value).expanduser()) if value.startswith("~") else value
+        except RuntimeError:  # ~name of no user on this machine
+            raise ValueError(f"{value.split('/')[0]!r} names no user's home folder here") from None
     #: also save the merged model (base + LoRA folded in) under ``DIR/merged``
     merged: bool = False
     #: start over in a folder that holds checkpoints of an earlier run (otherwise: pass --resume)

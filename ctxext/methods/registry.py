@@ -116,7 +116,7 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
     temperature (``ctxext.methods.temperature``) is added only where one is given, so a patch without it records the
     method's options alone."""
     options, temperature_options = temperature.split_options(options)
-    unknown = sorted(set(options) - set(method.options))
+    unknown = sorted(map(str, set(options) - set(method.options)))  # a YAML key may be a number
     if unknown:
         accepted = ", ".join(method.options) or "none"
         if temperature.takes_temperature(method):
