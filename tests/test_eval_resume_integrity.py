@@ -97,6 +97,16 @@ def test_a_picture_already_there_is_replaced_only_with_overwrite(llama_dir, tmp_
     assert mine.read_bytes().startswith(b"\x89PNG")
 
 
+def test_resume_with_no_earlier_run_does_not_replace_a_picture_already_there(llama_dir, tmp_path, capsys):
+    """--resume keeps what an earlier run drew; with no earlier run at --output, the file is someone else's."""
+    mine = tmp_path / "holiday.png"
+    mine.write_text("not a plot")
+    out = tmp_path / "new.json"
+    assert run("--model", llama_dir, *BASE, "--lengths", "32", "--output", out, "--plot", mine, "--resume") == 2
+    assert "--resume finds no earlier run" in capsys.readouterr().err
+    assert mine.read_text() == "not a plot" and not out.exists()
+
+
 def test_the_demos_default_picture_does_not_replace_a_file_already_there(tmp_path, capsys):
     """`ctxext demo --output X.json` draws X.png: a file of the user's there is refused, as with --plot."""
     mine = tmp_path / "photo.png"

@@ -142,11 +142,12 @@ class EvalPlan:
 def plan_eval(args) -> EvalPlan:
     """Check every argument, the files they name, the output and the methods x model family; load no model and
     write nothing. ``args`` are the parsed arguments of `ctxext eval` / `ctxext demo` (no ``model``: the demo)."""
-    from ..reference import model_source
-
-    # a shipped checkpoint named as export, search and recipes name it
+    # a shipped checkpoint named as export, search and recipes name it (ctxext.reference.MODEL_PREFIXES; the module is
+    # imported only then: the demo reports an installation without it in its own words)
     for flag in ("model", "evaluator"):
-        if getattr(args, flag) is not None:
+        if str(getattr(args, flag)).startswith(("reference:", "ctxext.reference:")):
+            from ..reference import model_source
+
             try:
                 setattr(args, flag, model_source(getattr(args, flag)))
             except ValueError as exc:
@@ -187,7 +188,12 @@ def plan_eval(args) -> EvalPlan:
     check_output(output, resume=args.resume, overwrite=args.overwrite)
     # the demo's picture goes beside its results (results/demo.png by default), not into one shared place
     plot = args.plot or (str(Path(output).with_suffix(".png")) if demo else None)
-    replace = args.resume or args.overwrite
+    # a picture is replaced with --overwrite, or with --resume where an earlier run at this --output drew it: a resume
+    # with nothing there yet would replace a file of the user's
+    earlier = jsonl_path(output).is_file() or Path(output).is_file()
+    replace = args.overwrite or (args.resume and earlier)
+    if args.resume and not earlier and not args.overwrite:
+        replace = None  # the refusal says why --resume does not count
     if plot:
         _check_picture(plot, data=args.data, output=output, replace=replace)
     heatmap = args.heatmap or (_beside(plot) if tasks else None)  # needle tasks draw one; ppl and passkey do not
@@ -241,12 +247,17 @@ def picture_file(path: Path) -> Path:
     return path if path.suffix else path.with_name(path.name + ".png")
 
 
-def _check_picture(path: str, *, data: str | None, output: str, flag: str = "--plot", replace: bool = True) -> Path:
+def _check_picture(path: str, *, data: str | None, output: str, flag: str = "--plot",
+                   replace: bool | None = True) -> Path:
     """A picture matplotlib can write at ``path`` that replaces neither the data nor this run's results, nor (unless
-    ``replace``: --overwrite / --resume) a file already there, a default name beside the results included (it may be
-    the user's picture); returns the file that will be written."""
+    ``replace``: --overwrite, or --resume of an earlier run; None: --resume with no earlier run) a file already
+    there, a default name beside the results included (it may be the user's picture); returns the file written."""
     target = check_file_target(path, flag, "ppl.png")
     if not replace and picture_file(target).exists():
+        if replace is None:
+            raise ValueError(f"{flag} {path}: {picture_file(target)} exists, and --resume finds no earlier run at "
+                             f"--output {output} that drew it (it may be yours); pass --overwrite to replace it, or "
+                             f"choose another {flag}")
         raise ValueError(f"{flag} {path}: {picture_file(target)} exists; pass --overwrite to replace it, or choose "
                          f"another {flag}")
     try:
