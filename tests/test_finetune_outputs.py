@@ -242,11 +242,11 @@ def test_a_checkpoint_reloads_as_an_adapter_patched_and_in_its_trained_dtype(bas
 
     out = tmp_path / "run"
     base = bases["llama"]
-    run(recipe_from_dict(quick(bases, out, model={"dtype": "float32"})), progress=False)
+    run(recipe_from_dict(quick(bases, out, model={"dtype": "bfloat16"})), progress=False)  # the base is float32
     checkpoint = out / "checkpoint-1"
     model = ctxext.from_pretrained(str(base), adapter=str(checkpoint))
     spec = ctxext.describe(model.get_base_model())
     assert (spec["method"], spec["factor"]) == ("pi", 2.0)
-    assert next(model.parameters()).dtype == torch.float32
+    assert next(model.parameters()).dtype == torch.bfloat16
     listed = json.loads((checkpoint / "ctxext_state.json").read_text())["files"]
     assert {"ctxext_patch.json", "recipe.yaml"} <= set(listed)

@@ -40,6 +40,7 @@ def _make(bases, out, args=None, **sections):  # noqa: F811
     # a list or mapping for a field that takes an enum's name raised a bare TypeError (unhashable) before
     ({"optim": ["adamw_torch"]}, "train.args.optim: expected a string, got ['adamw_torch']"),
     ({"hub_strategy": {"a": 1}}, "train.args.hub_strategy: expected a string, got {'a': 1}"),
+    ({"debug": ["underflow_overflow", 3]}, "train.args.debug: expected"),
 ])
 def test_train_args_refused_with_their_key_path(bases, tmp_path, args, message):  # noqa: F811
     with pytest.raises(RecipeError) as err:
@@ -58,6 +59,20 @@ def test_train_args_reach_trainingarguments(bases, tmp_path):  # noqa: F811
             args.lr_scheduler_type, args.warmup_steps, args.seed) == (t.steps, t.lr, t.micro_batch_size, 2, "cosine",
                                                                       t.warmup_steps, t.seed)
     assert args.output_dir == str(tmp_path / "out") and args.save_strategy == "no"
+
+
+def test_train_args_take_an_enum_fields_values_as_yaml_gives_them(bases, tmp_path):  # noqa: F811
+    """``debug: [underflow_overflow]`` (a list of enum values): strict validation alone takes only enum members, which
+    YAML cannot write."""
+    from ctxext.finetune.config import _fits
+    import typing
+
+    from transformers import TrainingArguments
+
+    hints = typing.get_type_hints(TrainingArguments)
+    assert _fits(["underflow_overflow"], hints["debug"]) and _fits("underflow_overflow", hints["debug"])
+    assert _fits("adamw_torch", hints["optim"]) and _fits("steps", hints["save_strategy"])
+    assert not _fits(["underflow_overflow", 3], hints["debug"])
 
 
 def test_train_args_change_the_training(bases, tmp_path):  # noqa: F811

@@ -5,6 +5,7 @@ unpatch leaves, and a float64 model runs the ALiBi swap."""
 from __future__ import annotations
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -144,6 +145,8 @@ def test_the_attention_implementation_can_be_set_again_after_unpatch_and_on_a_co
         twin.set_attn_implementation("eager")
     with pytest.raises(PatchError, match="runs this model's attention"):  # the transformers model inside it too
         twin.model.set_attn_implementation("eager")
+    with pytest.raises(PatchError, match="cannot be pickled"):  # a pickle of the inner model loaded without its guard
+        pickle.dumps(twin.model)
     model.set_attn_implementation("eager")
     assert model.config._attn_implementation == "eager"
     ctxext.unpatch(twin)

@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-import types
+import copy
 
 from torch import nn
 
@@ -81,7 +81,8 @@ def use_attention(model: nn.Module, name: str = ALIBI):
     before = [(config, hf_compat.stored_attn_implementation(config)) for config in _configs(model)]
     # the model and every transformers model inside it (``model.model`` has the method too); a switch inside another
     # (a probe while patched) finds them guarded and leaves the outer guards in place
-    guarded = [m for m in model.modules() if callable(getattr(type(m), GUARD, None)) and GUARD not in vars(m)]
+    candidates = [m for m in model.modules() if callable(getattr(type(m), GUARD, None)) and GUARD not in vars(m)]
+    guarded: list[nn.Module] = []
 
     def restore():
         for module in guarded:
@@ -93,8 +94,10 @@ def use_attention(model: nn.Module, name: str = ALIBI):
         type(model).set_attn_implementation(model, name)  # the class's: the instance's own is the guard below
         if hf_compat.attn_implementation(model.config) != name:
             raise PatchError(f"{type(model).__name__} refused attention implementation {name!r}")
+        # only the models the switch reached (transformers leaves a part that cannot switch, a vision tower, as it was)
+        guarded[:] = [m for m in candidates if hf_compat.attn_implementation(m.config) == name]
         for module in guarded:
-            setattr(module, GUARD, types.MethodType(_switch_refused, module))
+            setattr(module, GUARD, _SwitchGuard(module))
     except BaseException:
         restore()
         raise
@@ -106,20 +109,40 @@ def use_attention(model: nn.Module, name: str = ALIBI):
 GUARD = "set_attn_implementation"
 
 
-def _switch_refused(self: nn.Module, attn_implementation, *args, **kwargs):
+class _SwitchGuard:
     """``set_attn_implementation`` of a model whose attention ctxext switched: the patch (or the shift attention)
     runs inside the registered function, so another implementation would silently run the model without it (the
-    rotary module of a remap patch is an identity: no positions at all). The current one is accepted as a no-op."""
-    current = hf_compat.attn_implementation(self.config)
-    if attn_implementation == current:
-        return type(self).set_attn_implementation(self, attn_implementation, *args, **kwargs)
-    from ..core.active import ACTIVE
+    rotary module of a remap patch is an identity: no positions at all). The current one is accepted as a no-op.
+    A deep copy guards the copy (its model comes through the memo); a pickle is refused, as a patched model's is."""
 
-    active = getattr(self, ACTIVE, None)  # on the outer model (an inner one names no method)
-    owner = f"ctxext's {active.spec.method!r} patch" if active is not None else "ctxext (a patch or the shift attention)"
-    raise PatchError(f"{type(self).__name__}.set_attn_implementation({attn_implementation!r}): {owner} runs this "
-                     f"model's attention as {current!r}, and another implementation would silently run it without "
-                     "the patch; call ctxext.unpatch(model) first, set the implementation, then patch again")
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def __call__(self, attn_implementation, *args, **kwargs):
+        model = self.model
+        current = hf_compat.attn_implementation(model.config)
+        if attn_implementation == current:
+            return type(model).set_attn_implementation(model, attn_implementation, *args, **kwargs)
+        from ..core.active import ACTIVE
+
+        active = getattr(model, ACTIVE, None)  # on the outer model (an inner one names no method)
+        if active is not None:
+            owner, fix = f"ctxext's {active.spec.method!r} patch", "call ctxext.unpatch(model) first"
+        elif isinstance(current, str) and current.startswith(SHIFT):
+            owner, fix = "LongLoRA's shift attention", "undo it first (the function enable_shift_attention returned)"
+        else:
+            owner, fix = "ctxext (a patch)", "unpatch the model that holds this one first"
+        raise PatchError(f"{type(model).__name__}.set_attn_implementation({attn_implementation!r}): {owner} runs "
+                         f"this model's attention as {current!r}, and another implementation would silently run it "
+                         f"without that; {fix}, set the implementation, then patch again")
+
+    def __deepcopy__(self, memo: dict) -> "_SwitchGuard":
+        return type(self)(copy.deepcopy(self.model, memo))  # the copy, through the model's memo
+
+    def __reduce_ex__(self, protocol):
+        from ..core.active import pickle_refusal
+
+        raise pickle_refusal()
 
 
 __all__ = ["MISSING_HOOK", "SHIFT", "can_use_attention", "require_attention", "use_attention"]

@@ -799,7 +799,7 @@ def _fits(value: Any, hint: Any) -> bool:
     from pydantic import TypeAdapter
 
     try:
-        adapter = TypeAdapter(hint, config=ConfigDict(strict=True, arbitrary_types_allowed=True))
+        adapter = TypeAdapter(_yaml_form(hint), config=ConfigDict(strict=True, arbitrary_types_allowed=True))
     except Exception:  # noqa: BLE001 - an annotation pydantic cannot read: its value is left to transformers
         return True
     try:
@@ -807,6 +807,25 @@ def _fits(value: Any, hint: Any) -> bool:
     except ValidationError:
         return False
     return True
+
+
+def _yaml_form(hint: Any) -> Any:
+    """``hint`` with every Enum also taking its values (YAML gives ``debug: [underflow_overflow]``, not the member;
+    strict validation takes only members)."""
+    import enum
+    import typing
+
+    if isinstance(hint, type) and issubclass(hint, enum.Enum):
+        return Union[hint, Literal[tuple(m.value for m in hint)]]
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if not args or origin is Literal:
+        return hint
+    forms = tuple(_yaml_form(a) for a in args)
+    if origin in (list, dict):
+        return origin[forms]
+    if origin is Union or type(hint).__name__ == "UnionType":
+        return Union[forms]
+    return hint
 
 
 def _type_name(hint: Any) -> str:
