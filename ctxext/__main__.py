@@ -2,4 +2,5 @@ import sys
 
 from .cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a multiprocessing child re-imports the main module
+    sys.exit(main())

@@ -68,9 +68,23 @@ def test_model_type_patches_and_advertises_the_patched_length(model_dir):
     assert lm.ctxext_spec["factor"] == 2.0 and lm.max_length == 128
 
 
-def test_ctxext_lm_eval_command_on_a_local_task(model_dir, tasks, tmp_path, capsys):
+def test_ctxext_lm_eval_command_on_a_local_task(model_dir, tasks, tmp_path, capsys, monkeypatch):
+    import multiprocessing
+
+    import lm_eval.api.metrics as metrics
+
     from ctxext.cli import main
 
+    # lm-eval's bootstrap Pool must not fork this threaded process (a forked worker once hung CI for 11 minutes)
+    start_methods, bootstrap = [], metrics.bootstrap_stderr
+
+    def spy(*args, **kwargs):
+        start_methods.append(multiprocessing.get_start_method(allow_none=True))
+        return bootstrap(*args, **kwargs)
+
+    monkeypatch.setattr(metrics, "bootstrap_stderr", spy)
+    monkeypatch.delenv("DISABLE_MULTIPROC", raising=False)
+    before = multiprocessing.get_start_method(allow_none=True)
     out = tmp_path / "out"
     rc = main(["lm-eval", "--model", "ctxext", "--model_args",
                f"pretrained={model_dir},method=yarn,factor=4,dtype=float32", "--device", "cpu",
@@ -83,6 +97,24 @@ def test_ctxext_lm_eval_command_on_a_local_task(model_dir, tasks, tmp_path, caps
     assert results["results"]["ctxext_tiny_loglikelihood_rolling"]["word_perplexity,none"] > 1
     assert results["config"]["ctxext_patch"]["method"] == "yarn"
     assert results["config"]["ctxext_patch"]["patched_length"] == 256
+    assert start_methods and set(start_methods) == {"forkserver"}
+    assert multiprocessing.get_start_method(allow_none=True) == before  # the process's own setting is put back
+
+
+@pytest.mark.parametrize("chosen, during", [(None, "forkserver"), ("fork", "forkserver"), ("spawn", "spawn")])
+def test_lm_eval_runs_its_pool_without_forking_a_threaded_process(chosen, during):
+    import multiprocessing
+
+    from ctxext.commands.lm_eval import pool_start_method_safe_after_threads
+
+    before = multiprocessing.get_start_method(allow_none=True)
+    multiprocessing.set_start_method(chosen, force=True)
+    try:
+        with pool_start_method_safe_after_threads():
+            assert multiprocessing.get_start_method(allow_none=True) == during
+        assert multiprocessing.get_start_method(allow_none=True) == chosen
+    finally:
+        multiprocessing.set_start_method(before, force=True)
 
 
 @pytest.mark.slow

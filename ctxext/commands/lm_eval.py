@@ -78,12 +78,35 @@ def run(args) -> int:
     saved = sys.argv
     sys.argv = ["lm-eval"] + argv  # lm-eval's parser reads sys.argv
     try:
-        _lm_eval_main()
+        with pool_start_method_safe_after_threads():
+            _lm_eval_main()
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     finally:
         sys.argv = saved
     return 0
+
+
+@contextlib.contextmanager
+def pool_start_method_safe_after_threads():
+    """lm-eval's bootstrap standard errors (perplexity, f1, bleu, ...) run in a ``multiprocessing.Pool`` unless
+    ``DISABLE_MULTIPROC`` is set. By then torch, tokenizers and tqdm have started threads, and on Linux the Pool
+    *forks*: a child can inherit a lock another thread held and wait on it for ever (seen once in CI, a worker stuck
+    in a futex for 11 minutes). ``forkserver`` (Python 3.14's default on Linux) starts workers from a clean server
+    process instead. While lm-eval runs, a ``fork`` start method (or none chosen yet: libraries often fix the
+    platform default just by asking for it) becomes ``forkserver``; ``spawn`` is already safe and kept. The previous
+    setting is put back after."""
+    import multiprocessing
+
+    before = multiprocessing.get_start_method(allow_none=True)
+    if before not in (None, "fork") or "forkserver" not in multiprocessing.get_all_start_methods():
+        yield
+        return
+    multiprocessing.set_start_method("forkserver", force=True)
+    try:
+        yield
+    finally:
+        multiprocessing.set_start_method(before, force=True)  # None: back to "not chosen"
 
 
 def _lm_eval_main() -> None:
