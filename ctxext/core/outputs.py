@@ -39,6 +39,17 @@ except ImportError:  # Windows: no advisory locks; one writer per output is then
     fcntl = None
 
 
+def first_record(path: str | os.PathLike) -> dict | None:
+    """The JSON object on a JSON-lines file's first line, or None (unreadable, not JSON, not an object): how ctxext
+    tells its own run logs and rows files from a user's file of the same name."""
+    try:
+        with open(path, "rb") as fh:
+            first = json.loads(fh.readline())
+    except (OSError, ValueError, RecursionError):
+        return None
+    return first if isinstance(first, dict) else None
+
+
 def _kind(mode: int) -> str:
     for test, name in ((stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISFIFO, "a named pipe"), (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a folder")):

@@ -19,6 +19,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+from ..core.outputs import first_record
 from .tasks.catalog import is_task
 
 RowKey = tuple
@@ -124,22 +125,13 @@ def _read_lines(path: Path) -> tuple[list[tuple[int, Any]], int, bool]:
 
 def _is_rows_file(path: Path) -> bool:
     """Whether ``path`` starts with the run header ctxext eval writes first."""
-    try:
-        with path.open("rb") as fh:
-            first = json.loads(fh.readline())
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(first, dict) and first.get("kind") == "run" and isinstance(first.get("settings"), dict)
+    first = first_record(path) or {}
+    return first.get("kind") == "run" and isinstance(first.get("settings"), dict)
 
 
 def _rows_owner(path: Path) -> str | None:
     """The results file name a rows file's header records (None: not recorded, as in files before ctxext wrote it)."""
-    try:
-        with path.open("rb") as fh:
-            first = json.loads(fh.readline())
-    except (OSError, ValueError, RecursionError):
-        return None
-    owner = first.get("output") if isinstance(first, dict) else None
+    owner = (first_record(path) or {}).get("output")
     return owner if isinstance(owner, str) else None
 
 

@@ -19,6 +19,7 @@ import torch
 
 from ..attention.shifted_sparse import check_shift_attention, enable_shift_attention
 from ..core.errors import PatchError
+from ..core.outputs import first_record
 from . import checkpoint as ckpt
 from .config import Recipe, RecipeError, check_model_sources
 from .data import RunSamples, build_packed_data, read_eval_tokens
@@ -270,12 +271,7 @@ def _refuse_foreign_folder(out: Path) -> None:
 def _is_run_log(path: Path) -> bool:
     """Whether ``path`` is the log a run writes (its first line the run's start or its evaluation before the patch):
     a ``log.jsonl`` of the user's does not make the folder a run's."""
-    try:
-        with path.open("rb") as fh:
-            first = json.loads(fh.readline())
-    except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(first, dict) and first.get("event") in ("start", "eval")
+    return (first_record(path) or {}).get("event") in ("start", "eval")
 
 
 def check_output_folder(recipe: Recipe) -> None:
