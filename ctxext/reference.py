@@ -79,13 +79,20 @@ def reference_path(name: str) -> Path:
 MODEL_PREFIXES = ("reference:", "ctxext.reference:")
 
 
+def reference_name(model: Any) -> str | None:
+    """The NAME of a command's ``reference:NAME`` / ``ctxext.reference:NAME`` model argument (not yet checked), or
+    None when ``model`` names no shipped checkpoint: the one test that eval, export, search and recipes share."""
+    for prefix in MODEL_PREFIXES:
+        if isinstance(model, str) and model.startswith(prefix):
+            return model[len(prefix):]
+    return None
+
+
 def model_source(model: str) -> str:
     """A command's model argument as ``from_pretrained`` reads it: ``reference:NAME`` (or ``ctxext.reference:NAME``)
     becomes the shipped checkpoint's folder; anything else is returned as given. ValueError names the choices."""
-    for prefix in MODEL_PREFIXES:
-        if isinstance(model, str) and model.startswith(prefix):
-            return str(reference_path(model[len(prefix):]))
-    return model
+    name = reference_name(model)
+    return model if name is None else str(reference_path(name))
 
 
 def reference_model(name: str, **from_pretrained_kwargs: Any):

@@ -90,7 +90,7 @@ CASES = [
      "cannot resume from"),
     ("model-folder-missing", _yaml(_set(BASE, "model.name", "./models/mine")), [], "model.name: folder not found"),
     ("unknown-reference-model", _yaml(_set(BASE, "model.name", "reference:t5")), [],
-     "unknown reference checkpoint 'reference:t5'"),
+     "model.name 'reference:t5': unknown reference model 't5'"),
     ("batch-not-multiple", _yaml(_set(_set(BASE, "train.batch_size", 3), "train.micro_batch_size", 2)), [],
      "must be a multiple of train.micro_batch_size"),
     ("bad-scheduler-and-dropout", _yaml(_set(_set(BASE, "train.scheduler", "sawtooth"), "lora.dropout", 1.5)), [],
@@ -187,6 +187,19 @@ def test_tiny_recipe_checks_from_anywhere(recipe, tmp_path, monkeypatch, capsys)
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["checked_architecture"]
     assert list(tmp_path.iterdir()) == [copy]  # --check writes nothing
+
+
+@pytest.mark.parametrize("name", ["reference:LLAMA", "ctxext.reference:llama"])
+def test_a_recipe_names_a_reference_model_as_the_other_commands_do(name, tmp_path, monkeypatch, capsys):
+    """The recipe check and the loader share one resolver (ctxext.reference.model_source): a spelling that eval,
+    export and search take is not refused by --check (it was: case-sensitive, and ctxext.reference: unknown)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "books").mkdir()
+    (tmp_path / "books" / "a.txt").write_text("words " * 200)
+    (tmp_path / "r.yaml").write_text(_yaml(_set(BASE, "model.name", name)))
+    capsys.readouterr()
+    assert main(["finetune", "r.yaml", "--check"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"]
 
 
 def test_shipped_training_text():

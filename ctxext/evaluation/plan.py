@@ -21,6 +21,7 @@ from .preflight import check_evaluator_tokenizer, check_fit, check_key_tokens
 from .requests import MethodChoice, parse_factor
 from .results import check_file_target, check_output, jsonl_path
 from .runner import ModelJob, Settings
+from ..reference import model_source, reference_name
 from .tasks import PASSKEY, PPL, parse_tasks
 from .windows import PROTOCOLS, check_protocol
 
@@ -142,12 +143,9 @@ class EvalPlan:
 def plan_eval(args) -> EvalPlan:
     """Check every argument, the files they name, the output and the methods x model family; load no model and
     write nothing. ``args`` are the parsed arguments of `ctxext eval` / `ctxext demo` (no ``model``: the demo)."""
-    # a shipped checkpoint named as export, search and recipes name it (ctxext.reference.MODEL_PREFIXES; the module is
-    # imported only then: the demo reports an installation without it in its own words)
+    # a shipped checkpoint named as export, search and recipes name it
     for flag in ("model", "evaluator"):
-        if str(getattr(args, flag)).startswith(("reference:", "ctxext.reference:")):
-            from ..reference import model_source
-
+        if reference_name(getattr(args, flag)) is not None:
             try:
                 setattr(args, flag, model_source(getattr(args, flag)))
             except ValueError as exc:

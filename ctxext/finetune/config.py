@@ -15,6 +15,7 @@ import yaml
 from annotated_types import Ge, Gt, Le, Lt
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
+from .. import reference
 from .errors import RecipeError  # re-exported: ctxext.finetune.config.RecipeError
 
 
@@ -304,8 +305,6 @@ def is_shipped(item: str) -> bool:
 
 def shipped_files(item: str, key: str) -> list[Path]:
     """``reference:train`` / ``reference:emma`` -> the xz-compressed text files shipped with ctxext."""
-    from .. import reference
-
     name = item[len(REFERENCE_PREFIX):]
     try:
         return reference.data_files(name)
@@ -602,12 +601,11 @@ def validate(recipe: Recipe, problems: Problems | None = None) -> None:
                             recipe.output)
     if not m.name:
         err("model.name is required (a hub id, a local directory, or reference:llama)", "model.name")
-    elif m.name.startswith(REFERENCE_PREFIX):
-        from .. import reference
-
-        if m.name[len(REFERENCE_PREFIX):] not in reference.REFERENCE_NAMES:
-            err(f"model.name: unknown reference checkpoint {m.name!r}; choose one of "
-                + ", ".join(REFERENCE_PREFIX + n for n in reference.REFERENCE_NAMES), "model.name")
+    elif reference.reference_name(m.name) is not None:
+        try:
+            reference.model_source(m.name)
+        except (ValueError, FileNotFoundError) as exc:
+            err(f"model.name {m.name!r}: {exc}", "model.name")
     else:
         check_model_sources(m, err)
     if not o.dir:
