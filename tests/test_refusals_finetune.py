@@ -88,6 +88,10 @@ CASES = [
      "holds checkpoints in ctxext's old layout (checkpoints/step-N/)"),
     ("resume-changed-recipe", _yaml(_set(BASE, "output.dir", "runs/stopped")), ["--resume"],
      "cannot resume from"),
+    ("resume-finished-run-with-a-damaged-recipe", _yaml(_set(BASE, "output.dir", "runs/damaged")), ["--resume"],
+     "runs/damaged/recipe.yaml of the finished run there is unreadable or not a mapping"),
+    ("resume-finished-run-with-another-recipe", _yaml(_set(BASE, "output.dir", "runs/other")), ["--resume"],
+     "give another output.dir for a new run (output.overwrite=true would delete this finished one)"),
     ("model-folder-missing", _yaml(_set(BASE, "model.name", "./models/mine")), [], "model.name: folder not found"),
     ("unknown-reference-model", _yaml(_set(BASE, "model.name", "reference:t5")), [],
      "model.name 'reference:t5': unknown reference model 't5'"),
@@ -129,6 +133,13 @@ def work(tmp_path, monkeypatch):
     (done / "log.jsonl").write_text('{"event": "start"}\n{"event": "step", "step": 1}\n')
     (done / "adapter_model.safetensors").write_bytes(b"\x00" * 64)
     monkeypatch.chdir(w)
+    for name, recipe_text in (("damaged", "model: [unclosed\n"),
+                              ("other", _yaml(_set(_set(BASE, "train.lr", 0.5), "output.dir", "runs/other")))):
+        run = w / "runs" / name  # finished runs whose own recipe.yaml is damaged / another recipe
+        run.mkdir()
+        for f in ("results.json", "log.jsonl"):
+            (run / f).write_text((done / f).read_text())
+        (run / "recipe.yaml").write_text(recipe_text)
     step = w / "runs" / "stopped" / "checkpoint-2"  # Trainer's layout, with ctxext's record
     step.mkdir(parents=True)
     saved = recipe_from_dict(_set(_set(BASE, "train.lr", 0.5), "output.dir", "runs/stopped")).to_dict()

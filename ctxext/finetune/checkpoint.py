@@ -179,9 +179,10 @@ def same_eval(saved: dict[str, Any], recipe: Recipe) -> bool:
     return before == recipe.to_dict(absolute_paths=True)["eval"]
 
 
-def check_compatible(path: Path, recipe: Recipe, saved: dict[str, Any] | None = None) -> None:
+def check_compatible(path: Path, recipe: Recipe, saved: dict[str, Any] | None = None, finished: bool = False) -> None:
     """A resumed run must be the same run: only keys that do not change the result may differ. ``saved``: the recipe
-    the run at ``path`` recorded (default: the checkpoint's record)."""
+    the run at ``path`` recorded (default: the checkpoint's record); ``finished``: ``path`` is a finished run's
+    folder, which a new run should not replace."""
     saved = dict(read_state(path).get("recipe", {}) if saved is None else saved)
     # data paths as absolute ones: the run's own OUT/recipe.yaml holds them so; a state written before ctxext saved
     # them so holds them as given, read from the current recipe's folder
@@ -199,5 +200,6 @@ def check_compatible(path: Path, recipe: Recipe, saved: dict[str, Any] | None = 
         diffs = "; ".join(f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed)
         raise RecipeError(
             f"cannot resume from {path}: the recipe changed ({diffs}); resume with the recipe that started the run, "
-            "or start over with --set output.overwrite=true"
+            + ("or give another output.dir for a new run (output.overwrite=true would delete this finished one)"
+               if finished else "or start over with --set output.overwrite=true")
         )

@@ -225,11 +225,9 @@ def _refuse_finished_or_stale(recipe: Recipe, out: Path, resume: bool, say) -> t
         if resume:
             saved = out / "recipe.yaml"  # the finished run's recipe: --resume with another one is not this run
             if saved.is_file():
-                import yaml
-
-                ckpt.check_compatible(out, recipe, yaml.safe_load(saved.read_text()) or {})
+                ckpt.check_compatible(out, recipe, _finished_record(saved), finished=True)
             say(f"{out} holds a finished run; nothing to resume")
-            return None, [], json.loads(finished.read_text())
+            return None, [], _finished_record(finished)
         raise RecipeError(
             f"output.dir {str(out)!r} holds a finished run; choose another folder or --set output.overwrite=true")
     if not recipe.output.overwrite:
@@ -253,6 +251,22 @@ def _refuse_finished_or_stale(recipe: Recipe, out: Path, resume: bool, say) -> t
             f"(the damaged folder is set aside as {ckpt.DAMAGED_PREFIX}{path.name} when training starts)")
     ckpt.check_compatible(latest, recipe)
     return latest, damaged, None
+
+
+def _finished_record(path: Path) -> dict:
+    """A finished run's recipe.yaml or results.json as a mapping; a damaged one is refused by name, not a traceback
+    (and not with "overwrite": that would delete the run)."""
+    import yaml
+
+    try:
+        record = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        record = exc
+    if not isinstance(record, dict):
+        why = f": {str(record).splitlines()[0]}" if isinstance(record, Exception) else ""
+        raise RecipeError(f"cannot resume: {path} of the finished run there is unreadable or not a mapping{why}; "
+                          "nothing was changed. Repair or remove that file, or give another output.dir")
+    return record
 
 
 def _refuse_foreign_folder(out: Path) -> None:
