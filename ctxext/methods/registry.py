@@ -137,6 +137,10 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
     return {**resolved, **extra}
 
 
+#: The largest whole-number option (window, group, sink tokens, ...): 2**31 - 1 positions.
+INT_OPTION_LIMIT = 2**31 - 1
+
+
 def _coerce(method: str, key: str, value: Any, kind: type) -> Any:
     if kind is bool:
         if isinstance(value, bool):
@@ -153,6 +157,9 @@ def _coerce(method: str, key: str, value: Any, kind: type) -> Any:
     if kind is int:
         if not math.isfinite(number) or not number.is_integer():
             raise PatchError(f"option {key!r} of method {method!r} must be a whole number, got {value!r}")
+        if abs(number) > INT_OPTION_LIMIT:  # sizes and counts of positions: beyond any context, and past int64 maths
+            raise PatchError(f"option {key!r} of method {method!r} must be between {-INT_OPTION_LIMIT} and "
+                             f"{INT_OPTION_LIMIT}, got {value!r}")
         number = int(number)
     if isinstance(number, float) and not math.isfinite(number):
         raise PatchError(f"option {key!r} of method {method!r} must be finite, got {value!r}")
