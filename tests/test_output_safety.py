@@ -137,6 +137,23 @@ def test_two_outputs_sharing_a_rows_file_do_not_replace_each_others_rows(llama_d
     assert _eval(llama_dir, tmp_path / "c.json", "--resume") == 0  # the first run's own name still resumes
 
 
+@pytest.mark.parametrize("flag", [["--resume"], ["--overwrite"]])
+def test_a_rows_file_from_before_headers_named_their_output_is_still_protected(llama_dir, tmp_path, capsys, flag):
+    """Rows headers written before ctxext recorded their results file: the sibling result with the same stem
+    (``c.json``) is taken as the owner, so ``c.txt --overwrite`` still cannot replace its rows."""
+    assert _eval(llama_dir, tmp_path / "c.json") == 0
+    rows = tmp_path / "c.jsonl"
+    header, *rest = rows.read_text().splitlines(keepends=True)
+    old_header = json.loads(header)
+    del old_header["output"]
+    rows.write_text(json.dumps(old_header) + "\n" + "".join(rest))
+    before = rows.read_bytes()
+    assert_refused(["eval", "--model", llama_dir, *EVAL, "--output", tmp_path / "c.txt", *flag], capsys, tmp_path,
+                   "holds the rows of another run, whose results are")
+    assert rows.read_bytes() == before
+    assert _eval(llama_dir, tmp_path / "c.json", "--resume") == 0  # the first run's own name still resumes
+
+
 # -- one writer per output ---------------------------------------------------------------------------------------
 
 

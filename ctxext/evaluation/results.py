@@ -13,6 +13,7 @@ that cannot be written or that holds a finished run the user did not ask to resu
 
 from __future__ import annotations
 
+import glob
 import json
 import math
 import os
@@ -194,6 +195,9 @@ def check_output(output: str | os.PathLike, *, resume: bool, overwrite: bool, fl
         raise ValueError(f"{flag} {output}: {jsonl} exists and is not a ctxext eval rows file; ctxext will not "
                          f"replace it: choose another {flag}")
     owner = _rows_owner(jsonl) if jsonl.is_file() else None
+    if owner is None and jsonl.is_file() and jsonl.stat().st_size:  # a header written before it named its owner
+        owner = next((p.name for p in sorted(jsonl.parent.glob(glob.escape(jsonl.stem) + ".*"))
+                      if p.name not in (out.name, jsonl.name) and p.is_file() and _is_result_file(p)), None)
     if owner is not None and owner != out.name:  # X.json and X.txt share X.jsonl: --overwrite would replace the other's
         raise ValueError(f"{flag} {output}: its rows file {jsonl} holds the rows of another run, whose results are "
                          f"{jsonl.with_name(owner)} (both names keep their rows in {jsonl.name}); choose a {flag} whose name "
