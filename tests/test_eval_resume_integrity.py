@@ -107,6 +107,21 @@ def test_resume_with_no_earlier_run_does_not_replace_a_picture_already_there(lla
     assert mine.read_text() == "not a plot" and not out.exists()
 
 
+def test_resume_replaces_only_a_picture_its_earlier_run_drew(llama_dir, tmp_path, capsys):
+    """A run without --plot, then --resume --plot NAME: NAME was not drawn by that run, so a file there is kept. The
+    earlier run's own picture is redrawn on --resume, also after a resume that drew none."""
+    mine, ours, out = tmp_path / "holiday.png", tmp_path / "ours.png", tmp_path / "r.json"
+    mine.write_text("not a plot")
+    assert run("--model", llama_dir, *BASE, "--lengths", "32", "--output", out) == 0
+    assert run("--model", llama_dir, *BASE, "--lengths", "32", "--output", out, "--plot", mine, "--resume") == 2
+    assert "the earlier run at --output" in capsys.readouterr().err and mine.read_text() == "not a plot"
+    assert run("--model", llama_dir, *BASE, "--lengths", "32", "--output", out, "--plot", ours, "--overwrite") == 0
+    ours.write_text("drawn before")
+    assert run("--model", llama_dir, *BASE, "--lengths", "32", "--output", out, "--resume") == 0
+    assert run("--model", llama_dir, *BASE, "--lengths", "32", "--output", out, "--plot", ours, "--resume") == 0
+    assert ours.read_bytes().startswith(b"\x89PNG")
+
+
 def test_the_demos_default_picture_does_not_replace_a_file_already_there(tmp_path, capsys):
     """`ctxext demo --output X.json` draws X.png: a file of the user's there is refused, as with --plot."""
     mine = tmp_path / "photo.png"

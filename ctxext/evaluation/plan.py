@@ -19,7 +19,7 @@ from .models import load_model, load_tokenizer
 from .passkey import DEFAULT_DEPTHS
 from .preflight import check_evaluator_tokenizer, check_fit, check_key_tokens
 from .requests import MethodChoice, parse_factor
-from .results import check_file_target, check_output, jsonl_path
+from .results import check_file_target, check_output, jsonl_path, recorded_pictures
 from .runner import ModelJob, Settings
 from ..reference import model_source, reference_name
 from .tasks import PASSKEY, PPL, parse_tasks
@@ -109,6 +109,8 @@ class EvalPlan:
     overwrite: bool = False
     plot: str | None = None
     heatmap: str | None = None
+    #: The picture files (resolved) this run draws and earlier runs at ``output`` drew: the files a --resume may replace.
+    pictures: list[str] = field(default_factory=list)
     evaluator: str | None = None
     #: --methods, --factor, --option and --lengths as the user gave them (part of what --resume must match).
     as_given: dict[str, Any] = field(default_factory=dict)
@@ -186,19 +188,30 @@ def plan_eval(args) -> EvalPlan:
     check_output(output, resume=args.resume, overwrite=args.overwrite)
     # the demo's picture goes beside its results (results/demo.png by default), not into one shared place
     plot = args.plot or (str(Path(output).with_suffix(".png")) if demo else None)
-    # a picture is replaced with --overwrite, or with --resume where an earlier run at this --output drew it: a resume
-    # with nothing there yet would replace a file of the user's
+    # a picture is replaced with --overwrite, or with --resume where an earlier run at this --output drew it (runs
+    # record their pictures; one from before they did may have drawn any): a resume would otherwise replace a file
+    # of the user's
     earlier = jsonl_path(output).is_file() or Path(output).is_file()
-    replace = args.overwrite or (args.resume and earlier)
-    if args.resume and not earlier and not args.overwrite:
-        replace = None  # the refusal says why --resume does not count
-    if plot:
-        _check_picture(plot, data=args.data, output=output, replace=replace)
+    drawn = recorded_pictures(output) if earlier else None
     heatmap = args.heatmap or (_beside(plot) if tasks else None)  # needle tasks draw one; ppl and passkey do not
-    if heatmap:
-        written = _check_picture(heatmap, data=args.data, output=output, flag="--heatmap", replace=replace)
-        if plot and written.resolve() == picture_file(Path(plot)).resolve():
+    pictures = []
+    for flag, path in (("--plot", plot), ("--heatmap", heatmap)):
+        if not path:
+            continue
+        written = str(picture_file(Path(path)).resolve())
+        if args.overwrite or not args.resume:
+            why = None
+        elif not earlier:
+            why = f"--resume finds no earlier run at --output {output} that drew it"
+        elif drawn is not None and written not in drawn:
+            why = f"the earlier run at --output {output} did not draw it"
+        else:
+            why = None
+        _check_picture(path, data=args.data, output=output, flag=flag,
+                       replace=args.overwrite or (args.resume and why is None), why=why)
+        if written in pictures:
             raise ValueError(f"--heatmap {heatmap} is the --plot file; choose another")
+        pictures.append(written)
     if not demo:
         _check_sources(args)
     texts = load_texts(args.data, split=args.data_split, text_field=args.text_field) if args.data else None
@@ -227,6 +240,7 @@ def plan_eval(args) -> EvalPlan:
     return EvalPlan(
         demo=demo, device=device, dtype=args.dtype, settings=settings, jobs=jobs, texts=texts, output=output,
         resume=args.resume, overwrite=args.overwrite, plot=plot, heatmap=heatmap, evaluator=args.evaluator,
+        pictures=sorted(set(pictures) | ((drawn or set()) if args.resume else set())),
         as_given={"methods": args.methods, "factor": args.factor, "options": sorted(args.option or []),
                   "lengths": args.lengths},
     )
@@ -245,19 +259,17 @@ def picture_file(path: Path) -> Path:
     return path if path.suffix else path.with_name(path.name + ".png")
 
 
-def _check_picture(path: str, *, data: str | None, output: str, flag: str = "--plot",
-                   replace: bool | None = True) -> Path:
+def _check_picture(path: str, *, data: str | None, output: str, flag: str = "--plot", replace: bool = True,
+                   why: str | None = None) -> Path:
     """A picture matplotlib can write at ``path`` that replaces neither the data nor this run's results, nor (unless
-    ``replace``: --overwrite, or --resume of an earlier run; None: --resume with no earlier run) a file already
-    there, a default name beside the results included (it may be the user's picture); returns the file written."""
+    ``replace``: --overwrite, or --resume of the run that drew it) a file already there, a default name beside the
+    results included (it may be the user's picture); ``why``: why a --resume may not replace it. Returns the file
+    written."""
     target = check_file_target(path, flag, "ppl.png")
     if not replace and picture_file(target).exists():
-        if replace is None:
-            raise ValueError(f"{flag} {path}: {picture_file(target)} exists, and --resume finds no earlier run at "
-                             f"--output {output} that drew it (it may be yours); pass --overwrite to replace it, or "
-                             f"choose another {flag}")
-        raise ValueError(f"{flag} {path}: {picture_file(target)} exists; pass --overwrite to replace it, or choose "
-                         f"another {flag}")
+        because = f", and {why} (it may be yours)" if why else ""
+        raise ValueError(f"{flag} {path}: {picture_file(target)} exists{because}; pass --overwrite to replace it, or "
+                         f"choose another {flag}")
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:

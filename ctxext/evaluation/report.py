@@ -291,6 +291,7 @@ def results_document(plan, started, state, outcome, rows: list[dict[str, Any]]) 
                   "seed": s.seed, "chat_template": s.chat_template,
                   "source": "RULER (Hsieh et al. 2024; NVIDIA/RULER), generated offline: ctxext.evaluation.tasks"}
         if s.tasks else None,
+        "pictures": plan.pictures,
         "results": rows,
         "errors": outcome.errors,
         "interrupted": outcome.interrupted,

@@ -13,6 +13,7 @@ that cannot be written or that holds a finished run the user did not ask to resu
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import math
@@ -223,10 +224,29 @@ def _atomic_write(path: Path, text: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def recorded_pictures(output: str | os.PathLike) -> set[str] | None:
+    """The picture files (resolved paths) that the run at ``output`` recorded as its own, in its results JSON and
+    its rows header; None where neither records any (nothing there, or a run from before ctxext recorded them)."""
+    found: set[str] | None = None
+    out = Path(output)
+    doc = None
+    if out.is_file() and _is_result_file(out):
+        with contextlib.suppress(OSError, ValueError, RecursionError):
+            doc = json.loads(out.read_text(encoding="utf-8"))
+    for record in (doc, first_record(jsonl_path(out))):
+        pictures = record.get("pictures") if isinstance(record, dict) else None
+        if isinstance(pictures, list):
+            found = (found or set()) | {p for p in pictures if isinstance(p, str)}
+    return found
+
+
 class ResultStore:
-    def __init__(self, output: str | os.PathLike, settings: dict[str, Any], *, resume: bool = False, enabled: bool = True):
+    def __init__(self, output: str | os.PathLike, settings: dict[str, Any], *, resume: bool = False, enabled: bool = True,
+                 pictures: list[str] | None = None):
         """``enabled=False`` (non-main processes) keeps rows in memory and writes nothing. Reads only: nothing
-        is written before the first :meth:`add`."""
+        is written before the first :meth:`add`. ``pictures``: the files this run draws (recorded in the header,
+        so that a --resume may replace them and no other file)."""
+        self.pictures = list(pictures or [])
         self.output = Path(output)
         self.jsonl = jsonl_path(self.output)
         self.settings = json.loads(json.dumps(settings, default=str))
@@ -278,7 +298,7 @@ class ResultStore:
         line = json.dumps(row) + "\n"
         if not self._append:  # a fresh run: header and first row replace whatever was there, in one rename
             self.output.parent.mkdir(parents=True, exist_ok=True)
-            header = {"kind": "run", "output": self.output.name, "settings": self.settings}
+            header = {"kind": "run", "output": self.output.name, "settings": self.settings, "pictures": self.pictures}
             _atomic_write(self.jsonl, json.dumps(header) + "\n" + line)
             self._append = True
             return

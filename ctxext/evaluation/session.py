@@ -60,7 +60,8 @@ def _planned_only(rows: list[dict], plan, outcome, runner) -> list[dict]:
 
 def run_plan(plan, state, *, command: str) -> Finished:
     """Run every job of ``plan``; the final document holds every finished row, also when the run is cut short."""
-    store = ResultStore(plan.output, plan.fingerprint(), resume=plan.resume, enabled=state.is_main_process)
+    store = ResultStore(plan.output, plan.fingerprint(), resume=plan.resume, enabled=state.is_main_process,
+                        pictures=plan.pictures)
     runner = Runner(plan.settings, store, state, command=command)
     for problem in store.rejected:
         runner.log(f"resume: {problem}; not kept, recomputed")
