@@ -126,6 +126,20 @@ def test_outputs_that_cannot_be_a_folder_are_refused_before_loading(model_dir, t
     assert not (tmp_path / "nowhere").exists() and (tmp_path / "afile").read_text() == "mine\n"
 
 
+@pytest.mark.parametrize("text", ["my notes\n", '{"a": 1}\n'])
+@pytest.mark.parametrize("flag", [[], ["--resume"], ["--overwrite"]])
+def test_a_users_search_jsonl_is_not_taken_for_a_search(model_dir, tmp_path, capsys, weights_never_load, text, flag):
+    """A folder holding only a file named search.jsonl that no search wrote: refused with every flag, the file kept
+    (--overwrite replaced it, --resume gave a bare JSON error or "other settings (None)")."""
+    out = tmp_path / "search"
+    out.mkdir()
+    (out / "search.jsonl").write_text(text)
+    assert main(_args(model_dir, out, *flag)) == 2
+    err = capsys.readouterr().err
+    assert "not a ctxext search" in err and "Traceback" not in err, err
+    assert [p.name for p in out.iterdir()] == ["search.jsonl"] and (out / "search.jsonl").read_text() == text
+
+
 def test_a_factor_that_does_not_pass_the_trained_length_is_refused(model_dir, tmp_path, capsys, weights_never_load):
     """transformers' longrope uses short_factor up to the trained length: long factors searched there are never used."""
     out = tmp_path / "search"

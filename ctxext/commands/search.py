@@ -47,7 +47,7 @@ def register(sub) -> None:
 
 def _check_out(out: Path, source: str, resume: bool, overwrite: bool) -> None:
     from ..core.outputs import check_replaceable_folder, check_writable_folder
-    from ..search.longrope import LOG, is_search_folder
+    from ..search.longrope import LOG, is_search_folder, is_search_log
 
     if resume and overwrite:
         raise ValueError("--resume continues the search in --out, --overwrite replaces it: give one")
@@ -62,8 +62,14 @@ def _check_out(out: Path, source: str, resume: bool, overwrite: bool) -> None:
     if resume:
         if not (out / LOG).is_file():
             raise FileNotFoundError(f"--resume: {out / LOG} does not exist; start the search without --resume")
+        if not is_search_log(out / LOG):
+            raise ValueError(f"--resume: {out / LOG} is not a ctxext search log (its first line is not a search's "
+                             "header), so there is nothing to continue; give another --out")
         return
     if out.exists() and any(out.iterdir()):
+        if not overwrite and not is_search_folder(out):
+            raise FileExistsError(f"--out {out} holds files that are not a ctxext search; ctxext will not replace "
+                                  "them: give a new or empty folder")
         if not overwrite:
             raise FileExistsError(f"--out {out} exists; pass --resume to continue its search or --overwrite to "
                                   "replace it")

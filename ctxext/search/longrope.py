@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..core.active import ACTIVE
+from ..core.outputs import first_record
 from ..core.errors import PatchError
 from .evolution import ScoreLog, SearchSettings, search
 from .longrope_factors import native_changes, plain_rope_inputs, rescaled, start_points, verify_native
@@ -52,8 +53,14 @@ def is_search_folder(folder: Path) -> bool:
     try:
         listed = set(json.loads((folder / MARKER).read_text(encoding="utf-8"))["files"])
     except (OSError, ValueError, KeyError, TypeError):
-        listed = {LOG}
+        listed = {LOG} if is_search_log(folder / LOG) else set()  # a search cut short: its log alone
     return present <= listed
+
+
+def is_search_log(path: Path) -> bool:
+    """Whether ``path`` starts with the header a search writes first (a user's ``search.jsonl`` does not)."""
+    settings = (first_record(path) or {}).get("settings")
+    return isinstance(settings, dict) and isinstance(settings.get("search"), dict)
 
 
 def trained_length(model: nn.Module) -> int:
@@ -185,4 +192,4 @@ def _write_checkpoint(model: nn.Module, changes: dict[str, Any], out: Path, toke
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-__all__ = ["LOG", "MARKER", "RESULT", "SearchIncomplete", "check_search", "is_search_folder", "longrope_search", "trained_length"]
+__all__ = ["LOG", "MARKER", "RESULT", "SearchIncomplete", "check_search", "is_search_folder", "is_search_log", "longrope_search", "trained_length"]
