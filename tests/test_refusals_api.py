@@ -218,3 +218,16 @@ def test_a_model_on_the_meta_device_is_refused_where_the_patch_reads_values(make
     with pytest.raises(PatchError, match="meta device .*load the weights first"):
         ctxext.patch(model, method, 4)
     assert model.config.to_dict() == config and ctxext.describe(model) is None
+
+
+def test_peft_modules_to_save_over_the_position_table_is_named_and_changes_nothing():
+    """peft's modules_to_save=["wpe"] wraps GPT-2's position table: the refusal says so (it said "no positional
+    surface ctxext knows"), and the model, wrapper included, is left as it was."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(tiny_gpt2(), peft.LoraConfig(r=2, target_modules=["c_attn"], modules_to_save=["wpe"]))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(PatchError, match=r"modules_to_save wraps .*transformer\.wpe.*patch the model before get_peft_model"):
+        ctxext.patch(model, "pi", 2)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert type(model.base_model.model.transformer.wpe).__name__ == "ModulesToSaveWrapper"

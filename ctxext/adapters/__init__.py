@@ -25,6 +25,13 @@ def find_adapter(model: nn.Module) -> Adapter:
     for adapter in ADAPTERS:
         if adapter.detect(model):
             return adapter
+    wrapped = sorted(name for name, module in model.named_modules() if type(module).__name__ == "ModulesToSaveWrapper")
+    if wrapped:  # peft's trainable copy hides the module a family is detected by (GPT-2's wpe, say)
+        raise PatchError(
+            f"{type(model).__name__}: peft's modules_to_save wraps {', '.join(wrapped[:3])}, which hides the model's "
+            "positional surface from ctxext; patch the model before get_peft_model, or leave position modules out "
+            "of modules_to_save"
+        )
     families = ", ".join(a.title for a in ADAPTERS)
     raise PatchError(
         f"{type(model).__name__} has no positional surface ctxext knows (supported families: {families}); "

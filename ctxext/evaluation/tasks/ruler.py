@@ -6,8 +6,10 @@ Where ctxext differs from RULER, and why:
 - The essay haystack is local text (the bundled book, or ``--data``) split into sentences, not Paul Graham's essays
   (which RULER fetches from the network).
 - The needle that answers the first query sits at the sample's stated depth (``--task-depths``), so accuracy can be
-  drawn by depth x length; RULER draws every needle's depth at random. Other needles take random depths from RULER's
-  grid (40 depths, 0-100%). Needles and chain lines go in at unit (sentence) boundaries.
+  drawn by depth x length; RULER draws every needle's depth at random. Other needles take depths drawn with
+  replacement from RULER's grid (40 depths, 0-100%) in every haystack; RULER draws distinct grid depths in the essay
+  haystack and uniform random lines in the noise and needle haystacks. Needles and chain lines go in at unit
+  (sentence) boundaries.
 - A prompt fills exactly ``length - max_new_tokens`` tokens: pieces are tokenized apart and the haystack is cut at
   the token (RULER fits whole words or units by search, so its prompts fall short by up to a unit).
 - ``max_new_tokens`` is the expected answer's length in tokens plus 16, at most RULER's budget (128 for NIAH, 30 for
