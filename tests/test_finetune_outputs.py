@@ -195,6 +195,28 @@ def test_resume_refuses_data_whose_content_changed(bases, tmp_path):
         run(recipe_from_dict(d), progress=False, resume=True)
 
 
+def test_resume_refuses_a_base_model_whose_weights_changed(bases, tmp_path):
+    """The probe's case: the base model's weights halved in place between the stop and --resume. The adapter would
+    have been trained on two different bases; the run now refuses, and resumes on the same files."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "base"
+    shutil.copytree(bases["llama"], model)
+    out = tmp_path / "run"
+    d = quick(bases, out, model={"name": str(model)}, train={"steps": 3, "save_every": 1})
+    run(recipe_from_dict(d), progress=False, stop_after=1)
+    weights = model / "model.safetensors"
+    original, stamp = weights.read_bytes(), weights.stat().st_mtime_ns
+    save_file({k: v * 0.5 for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    with pytest.raises(RecipeError, match="is not the one the run began with"):
+        run(recipe_from_dict(d), progress=False, resume=True)
+    weights.write_bytes(original)
+    os.utime(weights, ns=(stamp, stamp))  # the same file back, as `cp -p` would bring it
+    assert run(recipe_from_dict(d), progress=False, resume=True)["finished"]
+
+
 def test_resume_with_other_eval_settings_measures_before_again(bases, tmp_path):
     out, fresh = tmp_path / "run", tmp_path / "fresh"
     first = {"data": [str(bases["data"] / "heldout.txt")], "max_windows": 2, "lengths": [64], "enabled": True}

@@ -250,7 +250,21 @@ def _refuse_finished_or_stale(recipe: Recipe, out: Path, resume: bool, say) -> t
         say(f"checkpoint {path} is damaged ({name}: {why}); resuming from {latest.name}, the newest intact one "
             f"(the damaged folder is set aside as {ckpt.DAMAGED_PREFIX}{path.name} when training starts)")
     ckpt.check_compatible(latest, recipe)
+    recorded, now = ckpt.read_state(latest).get("model_files"), _model_files(recipe)
+    if recorded is not None and recorded != now:  # a run begun on other weights: its adapter would mix two bases
+        raise RecipeError(
+            f"cannot resume from {latest}: the model {recipe.model.name} is not the one the run began with (its "
+            "config.json or weight files differ in content, size or modification time); resume with the same files "
+            "(copies made with `cp -p` keep their times), or start over with --set output.overwrite=true")
     return latest, damaged, None
+
+
+def _model_files(recipe: Recipe) -> dict:
+    """What identifies the base model's files (eval's and search's fingerprint: config.json's sha256, each weight
+    file's name, size and modification time; a hub model's cached commit)."""
+    from ..evaluation.fingerprint import model_fingerprint
+
+    return model_fingerprint({"model": model_source(recipe.model), "gguf_file": recipe.model.gguf_file})
 
 
 def _finished_record(path: Path) -> dict:
@@ -373,7 +387,8 @@ def run(
     seq_length = checked.get("seq_length")
     pose_target = checked.get("pose_target")
     eval_lengths = list(recipe.eval.lengths) or ([pose_target or seq_length] if seq_length else [])
-    record: dict[str, Any] = {"elapsed": 0.0, "unpatched": None, "before": None, "losses": [], "data_sha256": None}
+    record: dict[str, Any] = {"elapsed": 0.0, "unpatched": None, "before": None, "losses": [], "data_sha256": None,
+                              "model_files": _model_files(recipe)}
     model.to(args.device)
     if t.pose is not None and recipe.patch.method is None and pose_target:
         # no patch to wait for: probe before any evaluation (it runs again after the no-op patch: two tiny passes)
