@@ -6,6 +6,7 @@ import contextlib
 import copy
 import functools
 import itertools
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -270,6 +271,9 @@ def dynamic_length(model: nn.Module, length: int):
     fixed at its prefill, which differs from a full forward pass over the final, longer sequence.
     """
     plain = base_model(model, "ctxext.dynamic_length")
+    if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
+        raise PatchError(f"dynamic_length needs the sequence's total length in tokens, a whole number >= 1; got "
+                         f"{length!r}")
     release = None if getattr(plain, _ACTIVE, None) is None else find_adapter(plain).plan_length(plain, int(length))
     if release is None:
         per_sequence = " or ".join(repr(m.name) for m in METHODS.values() if m.per_sequence)

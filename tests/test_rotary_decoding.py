@@ -40,6 +40,37 @@ def test_dynamic_manual_decode_with_length_hint_equals_full_forward():
     torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("inner", ["generate", "dynamic_length"])
+def test_a_nested_plan_hands_the_outer_length_back(inner):
+    """A generate or a shorter dynamic_length inside dynamic_length(120): once it returns, the manual decode is still
+    planned for 120 (the inner one's release set "no plan", and the decode drifted from the full pass by ~5)."""
+    model = tiny_llama()
+    ctxext.patch(model, "dynamic-ntk", 4)
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(5))
+    full = model(ids).logits
+    with ctxext.dynamic_length(model, 120):
+        if inner == "generate":
+            model.generate(ids[:, :10], max_new_tokens=2, do_sample=False)
+        else:
+            with ctxext.dynamic_length(model, 50):
+                pass
+        out = model(ids[:, :70], use_cache=True)
+        logits, cache = [out.logits], out.past_key_values
+        for t in range(70, 120):
+            out = model(ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            cache = out.past_key_values
+            logits.append(out.logits)
+    torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("length", [0, -5, 2.7, True, "abc", None, float("nan")])
+def test_dynamic_length_refuses_a_length_that_is_not_a_count_of_tokens(length):
+    model = tiny_llama()
+    ctxext.patch(model, "dynamic-ntk", 4)
+    with pytest.raises(ctxext.PatchError, match="a whole number >= 1"):
+        ctxext.dynamic_length(model, length).__enter__()
+
+
 def test_dynamic_cache_never_mixes_rotations():
     """Without a hint the scale stays fixed at the prefill's length for the whole cached decode.
 

@@ -168,10 +168,10 @@ def _plan_length(model: nn.Module, length: int | None) -> Restore | None:
     if not hooks:
         return None
     sequence = hooks[0].sequence
-    sequence.length_hint = length
+    previous, sequence.length_hint = sequence.length_hint, length
 
-    def forget():
-        sequence.length_hint = None
+    def forget():  # back to the enclosing plan (a generate or dynamic_length around this one), not to none
+        sequence.length_hint = previous
 
     return forget
 
