@@ -225,6 +225,20 @@ def test_chat_template_wraps_the_task_and_prefills_the_answer_prefix(tokenizer, 
     assert "<|im_start|>" not in chat.decode(plain.ids)
 
 
+def test_a_chat_template_that_raises_is_one_clear_error(tokenizer):
+    """Templates that demand a system message raise from jinja (raise_exception): a ValueError that names the way
+    out, not a jinja2 traceback; --no-chat-template then works."""
+    import copy
+
+    strict = copy.deepcopy(tokenizer)
+    strict.chat_template = ("{% if messages[0]['role'] != 'system' %}{{ raise_exception('System role required') }}"
+                            "{% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(ValueError, match=r"chat template fails on a single user message .*System role required.*"
+                                         r"use --no-chat-template"):
+        Encoder(strict)
+    assert not Encoder(strict, chat_template=False).chat
+
+
 def test_insert_at_depths_keeps_every_token_and_the_order():
     ids = list(range(100))
     out, depths = insert_at_depths(ids, [0, 10, 20, 50, 90, 100], [(0.5, [-1]), (0.0, [-2]), (1.0, [-3])])

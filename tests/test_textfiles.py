@@ -60,6 +60,23 @@ def test_a_damaged_compressed_file_is_one_clear_error(tmp_path):
         list(iter_documents([path], DataConfig(files=[str(path)])))
 
 
+@pytest.mark.parametrize("name", ["book.txt.gz", "docs.jsonl.gz"])
+def test_a_gzip_file_damaged_inside_is_one_clear_error(tmp_path, name):
+    """A flipped byte in a gzip body raises zlib.error (not BadGzipFile): it was a traceback."""
+    import json
+
+    text = "It is a truth universally acknowledged. " * 500 if name.startswith("book") else \
+        "".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(200))
+    raw = bytearray(gzip.compress(text.encode()))
+    raw[30:60] = bytes(b ^ 0xFF for b in raw[30:60])
+    path = tmp_path / name
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=rf"{name}: not a valid .gz file"):
+        load_texts(str(path))
+    with pytest.raises(RecipeError, match=rf"data(\.files)?: .*{name}: not a valid .gz file"):
+        list(iter_documents([path], DataConfig(files=[str(path)])))
+
+
 def test_eval_and_finetune_read_the_same_folder(tmp_path):
     """One folder search for both: text (also .md, compressed) and JSON lines, recursively, sorted by path; other
     files (a JSON config, binaries, hidden files) are not data."""

@@ -7,6 +7,7 @@ import fnmatch
 import gzip
 import json
 import lzma
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -31,12 +32,16 @@ def open_text(path: Path, errors: str = "strict"):
     return path.open(encoding="utf-8", errors=errors)
 
 
+#: What a damaged .xz / .gz file raises while it is read (a flipped byte in a gzip body is zlib's error).
+DAMAGED_COMPRESSION = (lzma.LZMAError, gzip.BadGzipFile, EOFError, zlib.error)
+
+
 def read_text(path: Path, errors: str = "strict") -> str:
     """The whole file as text; ValueError naming the file where a compressed file is damaged."""
     try:
         with open_text(path, errors) as fh:
             return fh.read()
-    except (lzma.LZMAError, gzip.BadGzipFile, EOFError) as exc:
+    except DAMAGED_COMPRESSION as exc:
         raise ValueError(f"{path}: not a valid {path.suffix} file ({exc})") from None
 
 
@@ -77,6 +82,10 @@ def read_documents(path: Path, text_field: str, hint: str, errors: str = "strict
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); convert it to UTF-8, e.g. "
                          f"iconv -f UTF-16 -t UTF-8") from None
+    except DAMAGED_COMPRESSION as exc:  # JSON lines read as they stream
+        raise ValueError(f"{path}: not a valid {path.suffix} file ({exc})") from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply to read") from None
 
 
 def _text_value(value, where: str, text_field: str) -> str:

@@ -23,8 +23,12 @@ class Encoder:
         template = getattr(tokenizer, "chat_template", None)
         self.chat = bool(chat_template and template)
         if self.chat:
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
-                                                     add_generation_prompt=True)
+            try:
+                rendered = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
+                                                         add_generation_prompt=True)
+            except Exception as exc:  # noqa: BLE001 - a template may raise anything (raise_exception, a bad filter)
+                raise ValueError(f"the tokenizer's chat template fails on a single user message ({type(exc).__name__}: "
+                                 f"{exc}); use --no-chat-template") from None
             if rendered.count(_MARK) != 1:
                 raise ValueError("the tokenizer's chat template does not keep the user's message as given; "
                                  "use --no-chat-template")
