@@ -124,10 +124,20 @@ def _save_pretrained(self: nn.Module, save_directory, *args, **kwargs):
     except NoNativeForm:
         return original(save_directory, *args, **kwargs)
     with _native_json(self, form):
+        if kwargs.get("state_dict") is not None and form.originals is not None:
+            kwargs["state_dict"] = _native_state_dict(self, kwargs["state_dict"], form)
         result = original(save_directory, *args, **kwargs)
     if form.originals is not None and kwargs.get("is_main_process", True):
         _write_originals(save_directory, form)
     return result
+
+
+def _native_state_dict(model: nn.Module, given: dict, form: NativeForm) -> dict:
+    """A caller's own ``state_dict`` (Trainer's save passes one) with the tensors the native form replaces taken from
+    the model as it is written (GPT-2's resized table): the original rows under a config that advertises the patched
+    length would not load."""
+    now = model.state_dict()
+    return {**given, **{key: now[key] for key in form.originals() if key in given}}
 
 
 def install_save_hook(model: nn.Module) -> Callable[[], None]:
@@ -138,10 +148,11 @@ def install_save_hook(model: nn.Module) -> Callable[[], None]:
     return lambda: model.__dict__.pop("save_pretrained", None)
 
 
-def restore_original_tensors(model: nn.Module, pretrained: Any, block: dict[str, Any], hub_kwargs: dict) -> None:
+def restore_original_tensors(model: nn.Module, pretrained: Any, block: dict[str, Any], hub_kwargs: dict) -> dict:
     """A natively exported checkpoint whose weights the native form replaced (GPT-2's table), loaded as it is
     saved: put the original tensors back (from ``ORIGINAL_TENSORS``) and the original length in the config, so the
-    saved spec can be re-applied and ``unpatch`` gives the original model."""
+    saved spec can be re-applied and ``unpatch`` gives the original model. Returns the replaced tensors as loaded,
+    for :func:`check_rebuilt_tensors`."""
     from safetensors.torch import load_file
     from transformers.utils import cached_file
 
@@ -152,8 +163,44 @@ def restore_original_tensors(model: nn.Module, pretrained: Any, block: dict[str,
         raise OSError(f"{pretrained}: the natively exported checkpoint lacks {name}, which holds the tensors the "
                       f"export replaced ({exc}); load it with AutoModelForCausalLM.from_pretrained instead") from exc
     from .adapters import find_adapter
+    from .core.outputs import file_damage
 
-    find_adapter(model).restore_exported(model, load_file(path), PatchSpec.from_dict(block))
+    damage = file_damage(path)
+    try:
+        tensors = load_file(path) if damage is None else None
+    except Exception as exc:  # noqa: BLE001 - safetensors' own error for a file cut short or not safetensors
+        damage = str(exc).splitlines()[0]
+    if tensors is None:
+        raise OSError(f"{pretrained}: {name}, which holds the tensors the export replaced, is damaged ({damage}); "
+                      "copy the checkpoint again, or load it with AutoModelForCausalLM.from_pretrained")
+    state = model.state_dict()
+    as_loaded = {key: state[key].detach().clone() for key in tensors if key in state}
+    find_adapter(model).restore_exported(model, tensors, PatchSpec.from_dict(block))
+    return as_loaded
+
+
+def check_rebuilt_tensors(model: nn.Module, as_loaded: dict[str, Any], pretrained: Any) -> None:
+    """After the saved patch is applied again to a natively exported checkpoint: the tensors it rebuilds (GPT-2's
+    table) must be the ones saved. They differ where the checkpoint was changed after the export (a table
+    fine-tuned and saved back with plain transformers, beside the old originals file); re-applying the patch would
+    then drop those weights silently."""
+    import torch
+
+    from .core.active import describe
+
+    form = native_form(model)
+    with form.weights() if form.weights is not None else contextlib.nullcontext():
+        now = model.state_dict()
+        for key, saved in as_loaded.items():
+            rebuilt = now.get(key)
+            eps = torch.finfo(saved.dtype).eps if saved.is_floating_point() else 0.0
+            if rebuilt is None or rebuilt.shape != saved.shape or not torch.allclose(
+                    rebuilt.float(), saved.float(), rtol=2 * eps, atol=2 * eps * float(saved.abs().max())):
+                raise OSError(
+                    f"{pretrained}: the saved {key} is not the table the {describe(model)['method']!r} patch builds "
+                    f"from {ORIGINAL_TENSORS}: the checkpoint was changed after its export (saved back with plain "
+                    "transformers?), and applying the patch again would drop those weights. Load it with "
+                    "AutoModelForCausalLM.from_pretrained, which reads it as saved")
 
 
 # -- the export command's work -------------------------------------------------------------------------------------

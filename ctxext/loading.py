@@ -162,6 +162,7 @@ def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: An
         trained = _trained_dtype(adapter)
         if trained is not None:  # as the adapter was trained, not as the base's config says (often 16-bit)
             kwargs = dict(kwargs, dtype=trained)
+    as_loaded = None  # a native export's tensors as saved, checked against the ones the patch rebuilds
     try:
         saved = _saved_config_dict(pretrained, kwargs)
         if saved is not None:
@@ -173,7 +174,7 @@ def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: An
                 from .export import restore_original_tensors
 
                 hub = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
-                restore_original_tensors(model, pretrained, saved[CONFIG_KEY], hub)
+                as_loaded = restore_original_tensors(model, pretrained, saved[CONFIG_KEY], hub)
         else:
             model = AutoModelForCausalLM.from_pretrained(pretrained, **kwargs)
     except OSError as exc:
@@ -186,6 +187,10 @@ def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: An
     spec = take_saved_spec(model)
     if spec is not None:
         patch(model, spec.method, spec.factor, **spec.options)
+        if as_loaded:
+            from .export import check_rebuilt_tensors
+
+            check_rebuilt_tensors(model, as_loaded, pretrained)
     if adapter is not None:
         model = load_adapter(model, adapter)
     return model

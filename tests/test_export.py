@@ -184,6 +184,52 @@ def test_a_plain_load_of_a_native_export_is_a_plain_model(tmp_path):
     assert torch.equal(plain.model.rotary_emb.inv_freq, shipped)
 
 
+@pytest.mark.parametrize("method", ["pi", "extrapolate"])
+def test_a_gpt2_saved_with_its_own_state_dict_loads_patched(tmp_path, method):
+    """Trainer saves with ``save_pretrained(dir, state_dict=...)``: the native form's resized table must replace the
+    caller's original rows (config n_positions 2x with 32-row weights did not load, with or without ctxext)."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_gpt2()
+    ctxext.patch(model, method, 2)
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    expected = model(ids).logits
+    model.save_pretrained(tmp_path, state_dict=model.state_dict())
+    for load in (ctxext.from_pretrained, lambda d: _plain(AutoModelForCausalLM.from_pretrained, d)):
+        torch.testing.assert_close(load(tmp_path).eval()(ids).logits, expected, rtol=0, atol=1e-5)
+
+
+def test_a_native_export_changed_after_it_was_written_is_not_silently_repatched(tmp_path):
+    """A GPT-2 export loaded plainly, its table changed (fine-tuned), saved back in place beside the old originals
+    file: re-applying the patch from the originals would drop the new table. ctxext refuses, naming the plain load;
+    the plain load gives the model as saved."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_gpt2()
+    ctxext.patch(model, "pi", 2)
+    model.save_pretrained(tmp_path)
+    assert ctxext.describe(ctxext.from_pretrained(tmp_path))["method"] == "pi"  # untouched: reloads patched
+    plain = _plain(AutoModelForCausalLM.from_pretrained, tmp_path)
+    with torch.no_grad():
+        plain.transformer.wpe.weight.mul_(0.5)
+    plain.save_pretrained(tmp_path)
+    with pytest.raises(OSError, match="changed after its export.*AutoModelForCausalLM.from_pretrained"):
+        ctxext.from_pretrained(tmp_path)
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_plain(AutoModelForCausalLM.from_pretrained, tmp_path).eval()(ids).logits,
+                               plain.eval()(ids).logits, rtol=0, atol=0)
+
+
+def test_a_damaged_originals_file_is_one_clear_error(tmp_path):
+    model = tiny_gpt2()
+    ctxext.patch(model, "pi", 2)
+    model.save_pretrained(tmp_path)
+    originals = tmp_path / ORIGINAL_TENSORS
+    originals.write_bytes(originals.read_bytes()[:-100])  # a copy cut short
+    with pytest.raises(OSError, match=f"{ORIGINAL_TENSORS}, which holds the tensors the export replaced, is damaged"):
+        ctxext.from_pretrained(tmp_path)
+
+
 def test_unpatch_then_save_is_an_ordinary_checkpoint(tmp_path):
     model = tiny_llama()
     ctxext.patch(model, "yarn", 4)
