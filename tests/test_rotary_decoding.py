@@ -40,6 +40,19 @@ def test_dynamic_manual_decode_with_length_hint_equals_full_forward():
     torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("model_fn", [tiny_llama, tiny_neox])
+def test_a_dynamic_pass_does_not_depend_on_the_passes_before_it(model_fn):
+    """The frequencies a per-sequence method starts from are a copy: on transformers 4.x original_inv_freq is the
+    inv_freq buffer itself, which each pass rewrites, so a pass at 120 after one at 60 drifted (by 2e-3 here)."""
+    model = model_fn()
+    ctxext.patch(model, "dynamic-ntk", 4)
+    ids = torch.randint(0, 128, (1, 120), generator=torch.Generator().manual_seed(5))
+    first = model(ids).logits
+    model(ids[:, :60])
+    model(ids[:, :100])
+    assert torch.equal(model(ids).logits, first)
+
+
 @pytest.mark.parametrize("inner", ["generate", "dynamic_length"])
 def test_a_nested_plan_hands_the_outer_length_back(inner):
     """A generate or a shorter dynamic_length inside dynamic_length(120): once it returns, the manual decode is still

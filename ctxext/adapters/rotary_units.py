@@ -272,7 +272,9 @@ def unit_inputs(unit: RotaryUnit, original_length: int, method: str | None = Non
     if reason:
         raise PatchError(f"rotary module {unit.name} {reason}")
     stored = unit.original_inv_freq.detach()
-    inv_freq = stored.float()
+    # a copy: on transformers 4.x original_inv_freq is inv_freq itself, which dynamic methods rewrite per sequence
+    # (the inputs then drifted with every length: dynamic-NTK at 120 after a pass at 60 differed by 2e-3)
+    inv_freq = stored.float().clone()
     dim = 2 * inv_freq.numel()
     bases = unit.thetas()
     if not bases or dim < 4:
