@@ -174,7 +174,8 @@ def restore_original_tensors(model: nn.Module, pretrained: Any, block: dict[str,
         raise OSError(f"{pretrained}: {name}, which holds the tensors the export replaced, is damaged ({damage}); "
                       "copy the checkpoint again, or load it with AutoModelForCausalLM.from_pretrained")
     state = model.state_dict()
-    as_loaded = {key: state[key].detach().clone() for key in tensors if key in state}
+    # with the dtype the export saved them in: a float16 export loaded in float32 holds float16-rounded values
+    as_loaded = {key: (state[key].detach().clone(), tensors[key].dtype) for key in tensors if key in state}
     find_adapter(model).restore_exported(model, tensors, PatchSpec.from_dict(block))
     return as_loaded
 
@@ -191,9 +192,9 @@ def check_rebuilt_tensors(model: nn.Module, as_loaded: dict[str, Any], pretraine
     form = native_form(model)
     with form.weights() if form.weights is not None else contextlib.nullcontext():
         now = model.state_dict()
-        for key, saved in as_loaded.items():
+        for key, (saved, saved_dtype) in as_loaded.items():
             rebuilt = now.get(key)
-            eps = torch.finfo(saved.dtype).eps if saved.is_floating_point() else 0.0
+            eps = max((torch.finfo(d).eps for d in (saved.dtype, saved_dtype) if d.is_floating_point), default=0.0)
             if rebuilt is None or rebuilt.shape != saved.shape or not torch.allclose(
                     rebuilt.float(), saved.float(), rtol=2 * eps, atol=2 * eps * float(saved.abs().max())):
                 raise OSError(

@@ -101,6 +101,8 @@ def test_ctxext_lm_eval_command_on_a_local_task(model_dir, tasks, tmp_path, caps
     assert multiprocessing.get_start_method(allow_none=True) == before  # the process's own setting is put back
 
 
+@pytest.mark.skipif(not {"fork", "forkserver"} <= set(__import__("multiprocessing").get_all_start_methods()),
+                    reason="fork and forkserver are POSIX start methods")
 @pytest.mark.parametrize("chosen, during", [(None, "forkserver"), ("fork", "forkserver"), ("spawn", "spawn")])
 def test_lm_eval_runs_its_pool_without_forking_a_threaded_process(chosen, during):
     import multiprocessing

@@ -220,6 +220,16 @@ def test_a_native_export_changed_after_it_was_written_is_not_silently_repatched(
                                plain.eval()(ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_gpt2_export_reloads_in_float32(tmp_path, dtype):
+    """The saved table is rounded to the export's dtype: the check against the rebuilt one allows that rounding."""
+    model = tiny_gpt2().to(dtype)
+    ctxext.patch(model, "pi", 3)
+    model.save_pretrained(tmp_path)
+    reloaded = ctxext.from_pretrained(tmp_path, dtype=torch.float32)
+    assert ctxext.describe(reloaded)["method"] == "pi"
+
+
 def test_a_damaged_originals_file_is_one_clear_error(tmp_path):
     model = tiny_gpt2()
     ctxext.patch(model, "pi", 2)

@@ -148,6 +148,7 @@ def test_a_rows_file_from_before_headers_named_their_output_is_still_protected(l
     del old_header["output"]
     rows.write_text(json.dumps(old_header) + "\n" + "".join(rest))
     before = rows.read_bytes()
+    (tmp_path / "c.json.bak").write_bytes((tmp_path / "c.json").read_bytes())  # a backup is not the owner
     assert_refused(["eval", "--model", llama_dir, *EVAL, "--output", tmp_path / "c.txt", *flag], capsys, tmp_path,
                    "holds the rows of another run, whose results are")
     assert rows.read_bytes() == before

@@ -74,6 +74,8 @@ CASES = [
     # -- options: a whole-number option past 2**31 - 1 (it overflowed inside the position map)
     Case("self-extend-group-1e30", tiny_llama, lambda m: ctxext.patch(m, "self-extend", 4, group=10**30),
          r"option 'group' of method 'self-extend' must be between -2147483647 and 2147483647, got 10{30}$"),
+    Case("self-extend-group-past-float", tiny_llama, lambda m: ctxext.patch(m, "self-extend", 4, group=10**400),
+         r"option 'group' of method 'self-extend' is out of range"),
     # -- factors: numbers only, 1 <= factor <= MAX_FACTOR
     Case("factor-string", tiny_llama, lambda m: ctxext.patch(m, "pi", "4"),
          r"factor must be a number, not the string '4': pass factor=4$"),

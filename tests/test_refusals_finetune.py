@@ -213,6 +213,24 @@ def test_a_recipe_names_a_reference_model_as_the_other_commands_do(name, tmp_pat
     assert json.loads(capsys.readouterr().out)["ok"]
 
 
+def test_the_run_checks_a_ctxext_reference_name_as_the_check_does():
+    """check_model_sources with hub=True (what a run calls) sent ctxext.reference:llama to the hub."""
+    from ctxext.finetune.config import ModelConfig, check_model_sources
+
+    problems = []
+    check_model_sources(ModelConfig(name="ctxext.reference:llama"), lambda message, key=None: problems.append(message),
+                        hub=True)
+    assert problems == []
+
+
+def test_a_finished_runs_results_keep_their_numbers(tmp_path):
+    """JSON read as YAML gave 2e-05 back as a string."""
+    from ctxext.finetune.train import _finished_record
+
+    (tmp_path / "results.json").write_text('{"lr": 2e-05, "ppl": 1e+20}\n')
+    assert _finished_record(tmp_path / "results.json") == {"lr": 2e-05, "ppl": 1e20}
+
+
 def test_shipped_training_text():
     from ctxext.reference import TRAIN_BOOKS, data_files, training_files, training_texts
 

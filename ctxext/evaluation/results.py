@@ -196,9 +196,12 @@ def check_output(output: str | os.PathLike, *, resume: bool, overwrite: bool, fl
         raise ValueError(f"{flag} {output}: {jsonl} exists and is not a ctxext eval rows file; ctxext will not "
                          f"replace it: choose another {flag}")
     owner = _rows_owner(jsonl) if jsonl.is_file() else None
-    if owner is None and jsonl.is_file() and jsonl.stat().st_size:  # a header written before it named its owner
+    if owner is None and jsonl.is_file() and jsonl.stat().st_size and not (out.is_file() and _is_result_file(out)):
+        # a header written before it named its owner: the ctxext result beside it with the same stem (X.json for
+        # X.jsonl; not a backup such as X.json.bak)
         owner = next((p.name for p in sorted(jsonl.parent.glob(glob.escape(jsonl.stem) + ".*"))
-                      if p.name not in (out.name, jsonl.name) and p.is_file() and _is_result_file(p)), None)
+                      if p.name not in (out.name, jsonl.name) and p.name == jsonl.stem + p.suffix and p.is_file()
+                      and _is_result_file(p)), None)
     if owner is not None and owner != out.name:  # X.json and X.txt share X.jsonl: --overwrite would replace the other's
         raise ValueError(f"{flag} {output}: its rows file {jsonl} holds the rows of another run, whose results are "
                          f"{jsonl.with_name(owner)} (both names keep their rows in {jsonl.name}); choose a {flag} whose name "

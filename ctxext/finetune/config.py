@@ -721,7 +721,7 @@ def _check_output_apart(recipe: Recipe, out: Path, err) -> None:
     if e.enabled:
         reads += [("eval.data", f) for f in _listed(e.data) if f != "reference" and not is_shipped(f)]
     for key, item in reads:
-        if not item or item.startswith(REFERENCE_PREFIX):
+        if not item or reference.reference_name(item) is not None:
             continue
         path = (Path(item).expanduser() if key.startswith("model") else recipe.resolve_path(item)).resolve()
         if not path.exists():
@@ -900,7 +900,7 @@ def check_model_sources(m: ModelConfig, err, hub: bool = False) -> None:
     from ..data.sources import _looks_like_path, check_source
 
     for key, name, gguf in (("model.name", m.name, m.gguf_file), ("model.tokenizer", m.tokenizer, None)):
-        if not name or name.startswith(REFERENCE_PREFIX):
+        if not name or reference.reference_name(name) is not None:
             continue
         if not (hub or _looks_like_path(name) or Path(name).expanduser().exists()):
             continue

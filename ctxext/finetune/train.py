@@ -273,11 +273,12 @@ def _finished_record(path: Path) -> dict:
     import yaml
 
     try:
-        record = yaml.safe_load(path.read_text(encoding="utf-8"))  # JSON is YAML
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        text = path.read_text(encoding="utf-8")
+        record = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError, yaml.YAMLError) as exc:
         record = exc
     if not isinstance(record, dict):
-        why = f": {str(record).splitlines()[0]}" if isinstance(record, Exception) else ""
+        why = f": {(str(record).splitlines() or [type(record).__name__])[0]}" if isinstance(record, Exception) else ""
         raise RecipeError(f"cannot resume: {path} of the finished run there is unreadable or not a mapping{why}; "
                           "nothing was changed. Repair or remove that file, or give another output.dir")
     return record

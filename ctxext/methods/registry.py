@@ -154,6 +154,8 @@ def _coerce(method: str, key: str, value: Any, kind: type) -> Any:
         number = float(value) if kind is int else kind(value)  # via float: "2.0" is an int, 2.5 is not
     except (TypeError, ValueError):
         raise PatchError(f"option {key!r} of method {method!r} must be a number, got {value!r}") from None
+    except OverflowError:  # an int past float's range
+        raise PatchError(f"option {key!r} of method {method!r} is out of range, got {value!r:.40}...") from None
     if kind is int:
         if not math.isfinite(number) or not number.is_integer():
             raise PatchError(f"option {key!r} of method {method!r} must be a whole number, got {value!r}")
