@@ -147,3 +147,20 @@ def test_a_plot_name_without_a_suffix_is_written_as_png(llama_dir, tmp_path):
     assert run("--model", llama_dir, *BASE, "--lengths", "32", "--output", out, "--plot", tmp_path / "pic") == 0
     assert (tmp_path / "pic.png").read_bytes().startswith(b"\x89PNG")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".pic", "pic"))) == ["pic.png"]
+
+
+def test_a_hub_models_fingerprint_follows_the_pinned_revision(tmp_path, monkeypatch):
+    """A run pinned to a revision is identified by that snapshot, not by the cache's main (which may move)."""
+    import huggingface_hub.constants
+
+    from ctxext.evaluation.fingerprint import model_fingerprint
+
+    repo = tmp_path / "models--org--m"
+    for commit in ("a" * 40, "b" * 40):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    assert model_fingerprint({"model": "org/m"}) == {"hub_commit": "a" * 40}
+    assert model_fingerprint({"model": "org/m", "revision": "b" * 40}) == {"hub_commit": "b" * 40}

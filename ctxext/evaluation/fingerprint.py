@@ -42,11 +42,13 @@ def folder_fingerprint(folder: Path) -> dict[str, Any]:
     return out
 
 
-def _hub_commit(model_id: str) -> str | None:
+def _hub_commit(model_id: str, revision: str | None = None) -> str | None:
+    """The commit of the cached snapshot ``from_pretrained`` would read (``revision``: a branch, tag or commit;
+    default the cache's ``main``)."""
     try:
         from huggingface_hub import try_to_load_from_cache
 
-        found = try_to_load_from_cache(model_id, "config.json")
+        found = try_to_load_from_cache(model_id, "config.json", revision=revision)
     except Exception:  # noqa: BLE001 - not a repo id, no hub library: nothing to record
         return None
     return Path(found).parent.name if isinstance(found, str) else None
@@ -72,7 +74,7 @@ def model_fingerprint(info: dict[str, Any]) -> dict[str, Any]:
         if gguf and (folder / gguf).is_file():
             out["gguf_file"] = _file_entry(folder / gguf)
     elif model:
-        out["hub_commit"] = _hub_commit(model)
+        out["hub_commit"] = _hub_commit(model, info.get("revision"))
     adapter = info.get("adapter")
     if adapter and Path(adapter).is_dir():
         out["adapter"] = folder_fingerprint(Path(adapter))

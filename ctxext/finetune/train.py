@@ -264,7 +264,8 @@ def _model_files(recipe: Recipe) -> dict:
     file's name, size and modification time; a hub model's cached commit)."""
     from ..evaluation.fingerprint import model_fingerprint
 
-    return model_fingerprint({"model": model_source(recipe.model), "gguf_file": recipe.model.gguf_file})
+    m = recipe.model
+    return model_fingerprint({"model": model_source(m), "gguf_file": m.gguf_file, "revision": m.revision})
 
 
 def _finished_record(path: Path) -> dict:
