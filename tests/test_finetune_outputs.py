@@ -272,3 +272,28 @@ def test_a_checkpoint_reloads_as_an_adapter_patched_and_in_its_trained_dtype(bas
     assert next(model.parameters()).dtype == torch.bfloat16
     listed = json.loads((checkpoint / "ctxext_state.json").read_text())["files"]
     assert {"ctxext_patch.json", "recipe.yaml"} <= set(listed)
+
+
+def test_a_checkpoint_whose_trainer_state_disagrees_with_its_record_is_passed_over(bases, tmp_path, capsys):
+    """trainer_state.json's global_step edited (same size): Trainer would resume from its step and ctxext from its
+    record's, training a step twice. The checkpoint counts as damaged; the run resumes from the one before."""
+    out = tmp_path / "run"
+    d = quick(bases, out, train={"steps": 3, "save_every": 1, "keep_checkpoints": 3})
+    run(recipe_from_dict(d), progress=False, stop_after=2)
+    state = out / "checkpoint-2" / "trainer_state.json"
+    state.write_text(state.read_text().replace('"global_step": 2', '"global_step": 1'))
+    assert run(recipe_from_dict(d), progress=False, resume=True)["finished"]
+    assert "global_step 1, where the checkpoint's record says 2" in capsys.readouterr().err
+    steps = [json.loads(x) for x in (out / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in steps if e["event"] == "step"] == [1, 2, 3]
+
+
+def test_trainer_refusing_train_args_is_one_recipe_error(bases, tmp_path):
+    """report_to an integration that is not installed: Trainer raises RuntimeError; a RecipeError names train.args."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    d = quick(bases, tmp_path / "run", train={"args": {"report_to": ["wandb"]}})
+    with pytest.raises(RecipeError, match="train.args: transformers' Trainer refused them: .*wandb"):
+        run(recipe_from_dict(d), progress=False)

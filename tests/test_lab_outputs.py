@@ -158,3 +158,16 @@ def test_a_thread_count_out_of_range_is_refused(tmp_path, capsys, monkeypatch, t
     no_training(monkeypatch)
     assert_refused(["lab", "--quick", "--threads", threads, "--out", tmp_path / "o"], capsys, tmp_path,
                    f"--threads must be between 1 and 1024, got {threads}")
+
+
+def test_lab_out_expands_the_home_folder(tmp_path, monkeypatch):
+    """`--out '~/x'` is the home folder's x, as finetune's output.dir: the run wrote a literal ./~ folder."""
+    from ctxext.cli import main
+
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    work.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(work)
+    assert main(["lab", "--out", "~/labx", "--steps", "1", "--schemes", "rope", "--quick", "--no-plot"]) == 0
+    assert (home / "labx" / "lab.json").is_file() and list(work.iterdir()) == []

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 
 def register(sub) -> None:
@@ -29,6 +30,7 @@ def run(args) -> int:
     from ..lab.run import FULL, QUICK, format_table, parse_schemes, run_lab
     from ..lab.shift import format_shift, parse_offsets, run_shift
 
+    args.out = os.path.expanduser(args.out)  # as finetune's output.dir: "~/x" is the home folder's, never ./~
     if args.steps is not None and args.steps < 1:
         raise ValueError(f"--steps must be a positive integer, got {args.steps}")
     if not 1 <= args.threads <= 1024:  # torch allocates per thread: a typo's 100000 ends in a MemoryError

@@ -118,6 +118,14 @@ def damage(path: Path) -> tuple[str, str] | None:
         why = file_damage(path / name)
         if why is not None:
             return name, why
+    if (path / "trainer_state.json").is_file() and record.get("step") is not None:
+        # Trainer resumes from its own global_step, ctxext's log and schedule from the record's: they must agree
+        try:
+            step = json.loads((path / "trainer_state.json").read_text(encoding="utf-8")).get("global_step")
+        except (ValueError, AttributeError):
+            return "trainer_state.json", "not a JSON object"
+        if step != record["step"]:
+            return "trainer_state.json", f"global_step {step}, where the checkpoint's record says {record['step']}"
     return None
 
 

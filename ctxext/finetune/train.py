@@ -464,8 +464,11 @@ def run(
     if spec is not None:
         beside[PATCH_FILE] = json.dumps(spec, indent=2) + "\n"
     callback = RunCallback(recipe, record, log, tokens_per_step, stop_after, beside)
-    trainer = RunTrainer(model=model, args=args, train_dataset=RunSamples(data, t.steps * t.batch_size),
-                         data_collator=default_data_collator, callbacks=[callback])
+    try:
+        trainer = RunTrainer(model=model, args=args, train_dataset=RunSamples(data, t.steps * t.batch_size),
+                             data_collator=default_data_collator, callbacks=[callback])
+    except (RuntimeError, ImportError) as exc:  # e.g. report_to: wandb with wandb not installed
+        raise RecipeError(f"train.args: transformers' Trainer refused them: {str(exc).splitlines()[0]}") from None
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     for printing in (PrinterCallback, ProgressCallback):  # the step records go to log.jsonl, not stdout
