@@ -36,13 +36,17 @@ def open_text(path: Path, errors: str = "strict"):
 DAMAGED_COMPRESSION = (lzma.LZMAError, gzip.BadGzipFile, EOFError, zlib.error)
 
 
+def _damaged(path: Path, exc: Exception) -> ValueError:
+    return ValueError(f"{path}: not a valid {path.suffix} file ({exc})")
+
+
 def read_text(path: Path, errors: str = "strict") -> str:
     """The whole file as text; ValueError naming the file where a compressed file is damaged."""
     try:
         with open_text(path, errors) as fh:
             return fh.read()
     except DAMAGED_COMPRESSION as exc:
-        raise ValueError(f"{path}: not a valid {path.suffix} file ({exc})") from None
+        raise _damaged(path, exc) from None
 
 
 def iter_jsonl(path: Path, text_field: str, hint: str, errors: str = "strict") -> Iterator[str]:
@@ -83,7 +87,7 @@ def read_documents(path: Path, text_field: str, hint: str, errors: str = "strict
         raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); convert it to UTF-8, e.g. "
                          f"iconv -f UTF-16 -t UTF-8") from None
     except DAMAGED_COMPRESSION as exc:  # JSON lines read as they stream
-        raise ValueError(f"{path}: not a valid {path.suffix} file ({exc})") from None
+        raise _damaged(path, exc) from None
     except RecursionError:
         raise ValueError(f"{path}: JSON nested too deeply to read") from None
 

@@ -13,7 +13,6 @@ that cannot be written or that holds a finished run the user did not ask to resu
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import json
 import math
@@ -137,13 +136,18 @@ def _rows_owner(path: Path) -> str | None:
     return owner if isinstance(owner, str) else None
 
 
-def _is_result_file(path: Path) -> bool:
-    """Whether ``path`` holds a results JSON ctxext eval wrote."""
+def _result_document(path: Path) -> dict | None:
+    """The results JSON ctxext eval wrote at ``path``, or None (absent, unreadable, someone else's)."""
     try:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
-        return False
-    return isinstance(doc, dict) and "ctxext_version" in doc and isinstance(doc.get("results"), list)
+        return None
+    return doc if isinstance(doc, dict) and "ctxext_version" in doc and isinstance(doc.get("results"), list) else None
+
+
+def _is_result_file(path: Path) -> bool:
+    """Whether ``path`` holds a results JSON ctxext eval wrote."""
+    return _result_document(path) is not None
 
 
 def finished_rows(output: str | os.PathLike) -> int:
@@ -232,11 +236,7 @@ def recorded_pictures(output: str | os.PathLike) -> set[str] | None:
     its rows header; None where neither records any (nothing there, or a run from before ctxext recorded them)."""
     found: set[str] | None = None
     out = Path(output)
-    doc = None
-    if out.is_file() and _is_result_file(out):
-        with contextlib.suppress(OSError, ValueError, RecursionError):
-            doc = json.loads(out.read_text(encoding="utf-8"))
-    for record in (doc, first_record(jsonl_path(out))):
+    for record in (_result_document(out), first_record(jsonl_path(out))):
         pictures = record.get("pictures") if isinstance(record, dict) else None
         if isinstance(pictures, list):
             found = (found or set()) | {p for p in pictures if isinstance(p, str)}
