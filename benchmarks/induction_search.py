@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import time
 from pathlib import Path
 
@@ -34,6 +35,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from ctxext import reference
+from ctxext.evaluation import passkey as pk
 
 LENGTH, WARMUP = 128, 40
 
@@ -77,8 +79,39 @@ def plant_spans(rows: torch.Tensor, targets: torch.Tensor, share: float, gen: to
         # the token after each span in the stream is unchanged: its target stays the text's
 
 
+def passkey_rows(n: int, gen: torch.Generator, tokenizer, prose: str):
+    """``n`` rows in the passkey format of ``ctxext eval --tasks passkey`` (its prefix, needle and question), answered
+    with the key: the filler either the task's own sentences or a stretch of Austen prose, the prefix sometimes left
+    out so that the needle lies at more distances from the question. Only the answer (" 12345.") is labelled; rows
+    shorter than LENGTH are padded at the end (a causal model does not see the padding from earlier positions)."""
+    rng = random.Random(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    rows = torch.zeros(n, LENGTH, dtype=torch.long)
+    targets = torch.full((n, LENGTH), -100)
+    for i in range(n):
+        while True:
+            key = rng.randint(10000, 99999)
+            prefix = pk.PREFIX if rng.random() < 0.5 else ""
+            if rng.random() < 0.5:
+                before, after = pk.FILLER * rng.randint(0, 3), pk.FILLER * rng.randint(0, 3)
+            else:
+                start = rng.randrange(0, len(prose) - 1000)
+                words = prose[start : start + rng.randint(0, 500)].split()[1:]
+                cut = rng.randint(0, len(words))
+                before = " ".join(words[:cut]) + " " if cut else ""
+                after = " ".join(words[cut:])
+            prompt = prefix + before + pk.NEEDLE.format(key=key) + after + pk.QUESTION
+            ids = tokenizer(prompt + f" {key}.")["input_ids"]
+            n_prompt = len(tokenizer(prompt)["input_ids"])
+            if len(ids) <= LENGTH + 1:
+                break
+        ids = torch.tensor(ids)
+        rows[i, : len(ids) - 1] = ids[:-1]
+        targets[i, n_prompt - 1 : len(ids) - 1] = ids[n_prompt:]
+    return rows, targets
+
+
 @torch.no_grad()
-def probes(model, stream: torch.Tensor, ids: tuple[int, int], n: int = 32) -> dict[str, float]:
+def probes(model, stream: torch.Tensor, ids: tuple[int, int], n: int = 32, tokenizer=None) -> dict[str, float]:
     gen = torch.Generator().manual_seed(1234)
     device = next(model.parameters()).device
     model.eval()
@@ -96,6 +129,16 @@ def probes(model, stream: torch.Tensor, ids: tuple[int, int], n: int = 32) -> di
     windows[:, LENGTH - 17 : LENGTH - 1] = x
     pred = model(windows.to(device)).logits.argmax(-1).cpu()[:, LENGTH - 17 : LENGTH - 2]
     out["far"] = round(float((pred == windows[:, LENGTH - 16 : LENGTH - 1]).float().mean()), 3)
+    if tokenizer is not None:  # the eval's own passkey prompts at 128 tokens, the answer teacher-forced
+        hits = []
+        for trial in range(n):
+            key = 10000 + int(torch.randint(0, 90000, (1,), generator=gen))
+            prompt = pk.build_prompt(tokenizer, LENGTH, pk.DEFAULT_DEPTHS[trial % 5], key, pk._answer_tokens(tokenizer))
+            answer = tokenizer(f" {key}.")["input_ids"]
+            ids = torch.tensor([prompt + answer])
+            pred = model(ids.to(device)).logits.argmax(-1).cpu()[0, len(prompt) - 1 : -1]
+            hits.append(bool((pred == ids[0, len(prompt):]).all()))
+        out["passkey"] = round(sum(hits) / len(hits), 3)
     model.train()
     return out
 
@@ -114,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-every", type=int, default=100)
     p.add_argument("--planted", type=float, default=0.0,
                    help="share of the text rows with a random span planted twice (copying inside prose)")
+    p.add_argument("--passkey", type=float, default=0.0,
+                   help="share of each batch's rows in the passkey task's format (taken from the text rows)")
+    p.add_argument("--init", type=Path, help="continue from this checkpoint (its weights; a fresh optimizer)")
     p.add_argument("--minutes", type=float, default=None,
                    help="stop after this long (probed and saved, the schedule left unfinished); for a GPU lease")
     p.add_argument("--out", type=Path, required=True, help="checkpoint folder; the log goes to OUT.jsonl")
@@ -130,24 +176,30 @@ def main(argv: list[str] | None = None) -> int:
     config = LlamaConfig(vocab_size=4096, hidden_size=192, intermediate_size=576, num_hidden_layers=4,
                          num_attention_heads=6, num_key_value_heads=3, head_dim=32, max_position_embeddings=LENGTH,
                          rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model = LlamaForCausalLM(config).to(args.device)
+    model = (LlamaForCausalLM.from_pretrained(args.init, torch_dtype=torch.float32) if args.init
+             else LlamaForCausalLM(config)).to(args.device)
+    prose = "\n\n".join(reference.training_texts())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     decay = max(1, args.steps - WARMUP)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: (s + 1) / WARMUP if s < WARMUP else 0.1 + 0.45 * (1 + math.cos(math.pi * (s - WARMUP) / decay)))
     gen = torch.Generator().manual_seed(args.seed + 1)
     n_synthetic = int(round(args.batch * args.synthetic))
+    n_passkey = int(round(args.batch * args.passkey))
     log = args.out.with_suffix(".jsonl")
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")
     start = time.time()
     for step in range(1, args.steps + 1):
-        parts = [text_rows(stream, args.batch - n_synthetic, gen)] if n_synthetic < args.batch else []
+        n_text = args.batch - n_synthetic - n_passkey
+        parts = [text_rows(stream, n_text, gen)] if n_text > 0 else []
         if parts and args.planted:
             parts[0] = tuple(t.clone() for t in parts[0])  # views of the stream: planted into copies
             plant_spans(*parts[0], args.planted, gen, ids)
         if n_synthetic:
             parts.append(repeated_rows(n_synthetic, gen, period, ids))
+        if n_passkey:
+            parts.append(passkey_rows(n_passkey, gen, tokenizer, prose))
         rows = torch.cat([r for r, _ in parts]).to(args.device)
         targets = torch.cat([t for _, t in parts]).to(args.device)
         logits = model(rows).logits.float()
@@ -160,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         out_of_time = args.minutes is not None and time.time() - start > 60 * args.minutes
         if step % args.log_every == 0 or step == args.steps or out_of_time:
             record = {"step": step, "loss": round(loss.item(), 3), "seconds": round(time.time() - start),
-                      **probes(model, stream, ids)}
+                      **probes(model, stream, ids, tokenizer=tokenizer if args.passkey else None)}
             print(json.dumps(record), flush=True)
             with log.open("a") as f:
                 f.write(json.dumps(record) + "\n")

@@ -5,7 +5,9 @@ pretrained from scratch on five Jane Austen novels, one per positional family, a
 ``training.json`` records (``train_length(name)``):
 
 * ``"llama"``: LlamaForCausalLM, rotary positions (rope_theta 10000, grouped-query attention), trained at 128
-  tokens with random-token spans repeated inside its windows, so that it leans on position (issue 13);
+  tokens on a mix that teaches it to copy by content (random spans repeated inside prose, repeated random rows,
+  then rows in the passkey task's format), so that it retrieves at its trained length and the methods can be told
+  apart by whether they still retrieve at 4x (issue 24);
 * ``"gpt2"``:  GPT2LMHeadModel, learned absolute positions (256 rows in ``wpe``), trained at 256;
 * ``"bloom"``: BloomForCausalLM, ALiBi, trained at 256.
 
@@ -33,6 +35,8 @@ from typing import Any
 
 #: The reference models, one per positional family.
 REFERENCE_NAMES: tuple[str, ...] = ("llama", "gpt2", "bloom")
+#: Those trained to retrieve (passkey at their trained length); the others find no key even there.
+RETRIEVAL_NAMES: tuple[str, ...] = ("llama",)
 
 
 def train_length(name: str) -> int:

@@ -9,6 +9,7 @@ import types
 import pytest
 
 import ctxext
+import ctxext.evaluation.plan  # noqa: F401  imported with the real ctxext.reference, before a test replaces it
 from ctxext.cli import main
 
 from test_eval_fixtures import CORPUS, build_tokenizer
@@ -40,6 +41,7 @@ def fake_reference(tmp_path, monkeypatch):
 
     fake = types.ModuleType("ctxext.reference")
     fake.REFERENCE_NAMES = ("llama", "gpt2")
+    fake.RETRIEVAL_NAMES = ()  # no passkey by default: its prompt does not fit these models' 32 tokens
     fake.train_length = lambda name: TRAIN
     fake.reference_model = reference_model
     fake.reference_path = reference_path
@@ -81,6 +83,24 @@ def test_default_run_covers_every_fitting_method(fake_reference, tmp_path, capsy
     assert png.read_bytes()[:4] == b"\x89PNG"
     text = capsys.readouterr().out
     assert "llama (trained to 32 tokens)" in text and "gpt2 (trained to 32 tokens)" in text
+
+
+@pytest.mark.parametrize("flags, passkey_models", [
+    ([], ["llama"]),  # the default: passkey where the reference was trained to retrieve
+    (["--passkey"], ["llama", "gpt2"]),  # asked for: on every model
+    (["--tasks", "ppl"], []),
+])
+def test_demo_passkey_runs_on_the_reference_trained_to_retrieve(fake_reference, tmp_path, flags, passkey_models):
+    fake_reference.RETRIEVAL_NAMES = ("llama",)
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--no-progress", "--device", "cpu", "--max-windows", "1", "--methods", "none", "--lengths",
+               "512", "--passkey-trials", "1", "--passkey-depths", "0.5", "--output", str(out)] + flags)
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]
+    assert sorted({r["model"] for r in rows if r["kind"] == "passkey"}) == sorted(passkey_models)
+    assert {r["model"] for r in rows if r["kind"] == "ppl"} == {"llama", "gpt2"}
+    # passkey by depth is drawn beside the plot, as the needle tasks are
+    assert (tmp_path / "demo_needles.png").exists() == bool(passkey_models)
 
 
 def test_demo_without_reference_models_is_one_line(monkeypatch, tmp_path, capsys):

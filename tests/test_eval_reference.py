@@ -17,8 +17,11 @@ def test_demo_smoke_on_the_references(tmp_path):
     doc = json.loads(out.read_text())
     assert [m["label"] for m in doc["models"]] == ["llama", "gpt2", "bloom"]
     assert [m["original_length"] for m in doc["models"]] == [128, 256, 256]  # each at its own training length
-    cells = {(r["model"], r["method"], r["length"]): r for r in doc["results"]}
+    cells = {(r["model"], r["method"], r["length"]): r for r in doc["results"] if r["kind"] == "ppl"}
     assert len(cells) == 12
+    # passkey by default on the reference trained to retrieve, only there
+    assert {(r["model"], r["method"], r["length"]) for r in doc["results"] if r["kind"] == "passkey"} == {
+        ("llama", m, n) for m in ("none", "pi") for n in (256, 512)}
     assert cells[("gpt2", "none", 512)]["not_applicable"]  # GPT-2's table has 256 rows
     for (model, method, length), row in cells.items():
         if not row.get("not_applicable"):
@@ -48,4 +51,5 @@ def test_default_run_covers_every_method_of_every_family(tmp_path):
         assert name != "llama" or {"self-extend", "dca", "yarn"} <= expected
         rows = [r for r in doc["results"] if r["model"] == name]
         assert {r["method"] for r in rows} == expected
-        assert len(rows) == 4 * len(expected)
+        # perplexity everywhere; passkey on the reference trained to retrieve
+        assert len(rows) == 4 * len(expected) * (2 if name in reference.RETRIEVAL_NAMES else 1)

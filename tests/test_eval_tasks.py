@@ -105,7 +105,7 @@ def test_verdict_names_the_best_retriever_and_perplexity_that_does_not_retrieve(
     rows, models = _rows()
     [sentence] = verdicts(rows, models)
     assert "streaming-llm holds (x0.97 at 400 = 4x)" in sentence  # perplexity alone would crown it
-    assert "retrieval (average of 2 tasks) at 400 = 4x: unpatched 10%, best yarn 70%" in sentence
+    assert "retrieval (average of 2 tasks) at 400 = 4x: unpatched 10% (90% at 100), best yarn 70%" in sentence
     assert "streaming-llm holds perplexity (x0.97) but retrieves 0% at 400 = 4x" in sentence
 
 
@@ -191,3 +191,22 @@ def test_evaluator_without_model_is_refused(tmp_path, capsys):
     assert rc == 2
     assert "--evaluator need --model" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_heatmap_draws_passkey_by_depth_where_no_needle_task_ran(tmp_path):
+    """The demo runs passkey, not the RULER tasks: its heatmap shows by depth what a windowed method loses."""
+    from ctxext.evaluation.report import needle_depths, needle_heatmap
+
+    def row(kind, label, n, depths):
+        return {"kind": kind, "model": "m", "label": label, "length": n, "accuracy": sum(depths.values()) / 2,
+                "depths": depths}
+
+    rows = [{"kind": "ppl", "model": "m", "label": "none", "length": 100, "ppl": 10.0},
+            row("passkey", "none", 100, {"0": 1.0, "1": 1.0}), row("passkey", "streaming-llm", 400, {"0": 0.0, "1": 1.0})]
+    assert needle_depths(rows) == {("m", "none"): {(0.0, 100): 1.0, (1.0, 100): 1.0},
+                                   ("m", "streaming-llm"): {(0.0, 400): 0.0, (1.0, 400): 1.0}}
+    assert needle_heatmap(rows, [{"label": "m", "original_length": 100}], tmp_path / "h.png").stat().st_size > 0
+    # where a needle task ran, it alone is drawn: passkey's template is another, not averaged in
+    rows.append(row("niah_single_1", "none", 100, {"0": 0.5, "1": 0.0}))
+    assert needle_depths(rows) == {("m", "none"): {(0.0, 100): 0.5, (1.0, 100): 0.0}}
+    assert needle_depths(rows[:1]) == {}

@@ -50,10 +50,30 @@ def test_no_sentence_without_a_baseline_at_the_trained_length():
 
 
 def test_passkey_is_added():
+    # Passkey is read as the RULER-style tasks are (issue 24): at the headline length 4x, not the longest one.
     rows = _rows("llama", "none", [100, 110, 120, 130])
     rows += [{"kind": "passkey", "model": "llama", "label": lab, "length": n, "accuracy": a}
-             for lab, n, a in (("none", 256, 1.0), ("none", 1024, 0.1), ("yarn x8", 1024, 0.8))]
-    assert verdicts(rows, MODELS[:1])[0].endswith("; passkey unpatched 100% at 256 -> 10% at 1024, best yarn x8 80%")
+             for lab, n, a in (("none", 256, 1.0), ("none", 1024, 0.1), ("yarn x8", 1024, 0.8), ("none", 2048, 0.0),
+                               ("yarn x8", 2048, 0.1))]
+    assert verdicts(rows, MODELS[:1])[0].endswith(
+        "; passkey at 1024 = 4x: unpatched 10% (100% at 256), best yarn x8 80%")
+
+
+def test_passkey_names_a_method_that_holds_perplexity_but_misses_the_key():
+    rows = (_rows("llama", "none", [100, 150, 340, 900]) + _rows("llama", "streaming-llm x8", [100, 96, 95, 97])
+            + _rows("llama", "rerope x8", [105, 110, 112, 118]))
+    rows += [{"kind": "passkey", "model": "llama", "label": lab, "length": n, "accuracy": a}
+             for lab, n, a in (("none", 256, 1.0), ("none", 1024, 0.0), ("streaming-llm x8", 1024, 0.1),
+                               ("rerope x8", 1024, 0.9))]
+    sentence = verdicts(rows, MODELS[:1])[0]
+    assert "passkey at 1024 = 4x: unpatched 0% (100% at 256), best rerope x8 90%" in sentence
+    assert sentence.endswith("streaming-llm x8 holds perplexity (x0.95) but retrieves 10% at 1024 = 4x")
+    assert "rerope x8 holds perplexity" not in sentence
+    # a model that cannot find the key even at its trained length: no ranking, no blame
+    rows = [r for r in rows if r.get("kind") != "passkey" or r["label"] != "none"]
+    rows.append({"kind": "passkey", "model": "llama", "label": "none", "length": 256, "accuracy": 0.0})
+    assert verdicts(rows, MODELS[:1])[0].endswith(
+        "; passkey: unpatched scores 0% even at its trained length 256, too little to rank methods by")
 
 
 def test_plot_marks_lengths_a_model_cannot_run(tmp_path):

@@ -155,10 +155,10 @@ def test_language_model_at_training_length(ppl_1x, name):
     assert ppl_1x[name] < PPL_1X_MAX[name]
 
 
-#: Issue 13's targets for the LLaMA reference (trained at 128 with repeated random-token spans, attempt b1 of
-#: benchmarks/reference_training.md), as last-quarter perplexity at 4x over 1x on the held-out book. Measured with
-#: this function on 2026-11-23: unpatched 2.40x; at factor 4: llama3 1.21x, yarn 1.32x, dynamic-ntk 1.38x, pi 1.99x,
-#: ntk 2.10x.
+#: Issue 13's targets for the LLaMA reference, as last-quarter perplexity at 4x over 1x on the held-out book.
+#: Measured with this function on 2026-11-27 for the reference shipped then (trained at 128 to copy by content and
+#: to retrieve a passkey, benchmarks/reference_training.md, attempt passkey): unpatched 9.74x; at factor 4: llama3
+#: 1.26x, yarn 1.38x, dynamic-ntk 1.92x, pi 2.70x, ntk 3.88x.
 DEGRADES_AT_4X = 2.0
 BEST_METHOD_AT_4X = 1.3
 
@@ -171,7 +171,7 @@ def _last_quarter_ratio(model, ids) -> float:
 
 def test_llama_unpatched_degrades_past_training_length(models, held_out_ids):
     ratio = _last_quarter_ratio(models["llama"], held_out_ids)
-    assert ratio >= DEGRADES_AT_4X, ratio  # measured 2.40
+    assert ratio >= DEGRADES_AT_4X, ratio  # measured 9.74
 
 
 def test_llama_best_training_free_method_holds_at_4x(models, held_out_ids):
@@ -181,21 +181,65 @@ def test_llama_best_training_free_method_holds_at_4x(models, held_out_ids):
     for method in ("pi", "ntk", "yarn", "llama3", "dynamic-ntk"):
         with ctxext.patched(model, method, 4):
             ratios[method] = perplexity(model, held_out_ids, 4 * length, last_quarter=True) / one
-    assert min(ratios.values()) <= BEST_METHOD_AT_4X, ratios  # measured llama3 1.21
+    assert min(ratios.values()) <= BEST_METHOD_AT_4X, ratios  # measured llama3 1.26
     assert ctxext.describe(model) is None
 
 
-#: Whole-window perplexity at 4x over 1x that the frequency-scaling patches stay within (measured: ntk 1.38,
-#: yarn 1.27, llama3 1.16; pi 1.93, which without fine-tuning does not help this model).
+#: Whole-window perplexity at 4x over 1x that YaRN and Llama 3 scaling stay within (measured 1.35 and 1.21; the
+#: unpatched model 3.21). NTK-aware scaling keeps every frequency of the copying heads but moves the slow ones by a
+#: factor the model never saw: on this reference it recovers about half of the loss (1.76, i.e. 0.55 of the
+#: unpatched perplexity), which the next test states. (On the earlier reference, which did not copy by content,
+#: ntk measured 1.38 and sat in this test.)
 PATCHED_MAX_RATIO = 1.5
+NTK_OF_UNPATCHED_MAX = 0.7
 
 
-@pytest.mark.parametrize("method", ["ntk", "yarn", "llama3"])
+@pytest.mark.parametrize("method", ["yarn", "llama3"])
 def test_llama_patched_holds_at_4x(models, held_out_ids, ppl_1x, method):
     model = models["llama"]
     with ctxext.patched(model, method, 4):
         ppl_4x = perplexity(model, held_out_ids, 4 * train_length("llama"))
     assert ppl_4x <= PATCHED_MAX_RATIO * ppl_1x["llama"], (method, ppl_1x["llama"], ppl_4x)
+    assert ctxext.describe(model) is None
+
+
+def test_llama_ntk_recovers_part_of_the_loss_at_4x(models, held_out_ids):
+    model, length = models["llama"], 4 * train_length("llama")
+    unpatched = perplexity(model, held_out_ids, length)
+    with ctxext.patched(model, "ntk", 4):
+        ntk = perplexity(model, held_out_ids, length)
+    assert ntk <= NTK_OF_UNPATCHED_MAX * unpatched, (ntk, unpatched)  # measured 0.55
+    assert ctxext.describe(model) is None
+
+
+#: Issue 24's targets for the default run, on ctxext's own passkey task (10 prompts: 5 depths x 2 trials, seed 0, as
+#: `ctxext demo`), every method at factor 8 as the demo applies them. Measured 2026-11-27: 100% at 1x; at 4x
+#: unpatched 0%, rerope 100%, dca 80%, self-extend 70%, yarn 60%; streaming-llm 20% (only the needle inside its
+#: window).
+RETRIEVES_AT_1X = 0.9
+UNPATCHED_AT_4X_MAX = 0.2
+BEST_REMAP_AT_4X = 0.7
+
+
+def _passkey(model, length: int) -> float:
+    from ctxext.evaluation.passkey import passkey_accuracy
+
+    return passkey_accuracy(model, reference_tokenizer("llama"), length, trials=2, seed=0, progress=False)["accuracy"]
+
+
+def test_llama_retrieves_at_its_trained_length_and_not_unpatched_at_4x(models):
+    model, length = models["llama"], train_length("llama")
+    assert _passkey(model, length) >= RETRIEVES_AT_1X
+    assert _passkey(model, 4 * length) <= UNPATCHED_AT_4X_MAX
+
+
+def test_llama_a_remap_method_still_retrieves_at_4x(models):
+    model, length = models["llama"], train_length("llama")
+    scores = {}
+    for method in ("self-extend", "dca", "rerope"):
+        with ctxext.patched(model, method, 8):
+            scores[method] = _passkey(model, 4 * length)
+    assert max(scores.values()) >= BEST_REMAP_AT_4X, scores
     assert ctxext.describe(model) is None
 
 

@@ -86,7 +86,8 @@ def add_eval_arguments(p, *, demo: bool) -> None:
     g.add_argument("--tasks", help="comma-separated: ppl (perplexity), passkey, and RULER-style tasks "
                    "(niah_single_1..3, niah_multikey_1..3, niah_multivalue, niah_multiquery, vt, cwe, fwe) or the "
                    "aliases ruler (all 11), niah (the 8 needle tasks), quick (niah_single_1, niah_single_2, "
-                   "niah_multikey_1, vt) (default: ppl, plus passkey with --passkey)")
+                   "niah_multikey_1, vt) (default: ppl, plus passkey with --passkey"
+                   + ("; the demo adds passkey on the LLaMA reference, the one trained to retrieve)" if demo else ")"))
     g.add_argument("--task-samples", type=_positive, default=10,
                    help="samples per (task, method, length) (default: 10)")
     g.add_argument("--task-depths", type=_depths, default=DEFAULT_DEPTHS,
@@ -94,9 +95,9 @@ def add_eval_arguments(p, *, demo: bool) -> None:
     g.add_argument("--no-chat-template", action="store_true",
                    help="plain prompts even where the tokenizer has a chat template (default: the task inside the "
                    "template's user turn, the answer prefix after its assistant start, as RULER does)")
-    g.add_argument("--heatmap", help="PNG of needle-task accuracy by depth x length, one panel per method"
-                   + (" (default: beside --plot, *_needles.png, when needle tasks ran)" if demo else
-                      " (default: beside --plot when needle tasks ran)"))
+    g.add_argument("--heatmap", help="PNG of needle-task (else passkey) accuracy by depth x length, one panel per method"
+                   + (" (default: beside --plot, *_needles.png, when needle tasks or passkey ran)" if demo else
+                      " (default: beside --plot when needle tasks or passkey ran)"))
     g.add_argument("--passkey", action="store_true", help="also run synthetic passkey retrieval (as --tasks ...,passkey)")
     g = p.add_argument_group("key-token perplexity (LongPPL)")
     g.add_argument("--key-tokens", action="store_true",

@@ -194,21 +194,34 @@ def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path:
     return path
 
 
+def _needle_rows(rows: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], str]:
+    """The rows the heatmap draws and what they are: the RULER-style needle tasks, or passkey where none ran (the
+    first needle test, with one depth per prompt like theirs; not averaged with them: another template)."""
+    with_depths = [r for r in rows if isinstance(r.get("depths"), dict) and r.get("kind", "ppl") != "ppl"]
+    needles = [r for r in with_depths if r.get("kind") != "passkey"]
+    if needles:
+        return needles, "needle tasks"
+    return [r for r in with_depths if r.get("kind") == "passkey"], "passkey"
+
+
 def needle_depths(rows: Sequence[dict[str, Any]]) -> dict[tuple[str, str], dict[tuple[float, int], float]]:
-    """Per (model, method label): needle-task accuracy by (depth, length), averaged over the needle tasks that ran."""
+    """Per (model, method label): needle-task accuracy by (depth, length), averaged over the needle tasks that ran;
+    passkey accuracy where no needle task ran."""
     acc: dict[tuple[str, str], dict[tuple[float, int], list[float]]] = {}
-    for r in rows:
-        if r.get("kind") in ("ppl", "passkey") or not isinstance(r.get("depths"), dict):
-            continue
+    for r in _needle_rows(rows)[0]:
         cell = acc.setdefault((r["model"], r["label"]), {})
         for depth, value in r["depths"].items():
             cell.setdefault((float(depth), int(r["length"])), []).append(value)
     return {k: {dl: sum(v) / len(v) for dl, v in cells.items()} for k, cells in acc.items()}
 
 
+#: Methods side by side in the needle heatmap before the next line (the demo's 14 would make one unreadable strip).
+HEATMAP_PANELS_PER_LINE = 5
+
+
 def needle_heatmap(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path: str | Path) -> Path:
     """PNG of needle retrieval, the picture NIAH users know: depth (rows) x length (columns), green = found, one panel
-    per method, one row of panels per model."""
+    per method, the panels of each model on lines of at most ``HEATMAP_PANELS_PER_LINE``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,14 +231,17 @@ def needle_heatmap(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, An
     if not grid:
         raise ValueError("nothing to draw: no needle-task results")
     names = [m["label"] for m in models if any(k[0] == m["label"] for k in grid)]
-    panels = {name: [k for k in grid if k[0] == name] for name in names}
-    width = max(len(v) for v in panels.values())
-    fig, axes = plt.subplots(len(names), width, figsize=(2.8 * width + 1.2, 2.6 * len(names) + 0.8), squeeze=False,
+    lines = []  # (model, its panels on this line)
+    for name in names:
+        keys = [k for k in grid if k[0] == name]
+        lines += [(name, keys[i : i + HEATMAP_PANELS_PER_LINE]) for i in range(0, len(keys), HEATMAP_PANELS_PER_LINE)]
+    width = max(len(keys) for _, keys in lines)
+    fig, axes = plt.subplots(len(lines), width, figsize=(2.8 * width + 1.2, 2.6 * len(lines) + 0.8), squeeze=False,
                              constrained_layout=True)
     image = None
-    for row_axes, name in zip(axes, names):
+    for row_axes, (name, keys) in zip(axes, lines):
         trained = next((m.get("original_length") for m in models if m["label"] == name), None)
-        for ax, key in zip(row_axes, panels[name]):
+        for ax, key in zip(row_axes, keys):
             cells = grid[key]
             depths = sorted({d for d, _ in cells})
             lengths = sorted({n for _, n in cells})
@@ -243,10 +259,11 @@ def needle_heatmap(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, An
             ax.set_xlabel("context length (tokens)", fontsize=7)
             if ax is row_axes[0]:
                 ax.set_ylabel("needle depth", fontsize=7)
-        for ax in row_axes[len(panels[name]):]:
+        for ax in row_axes[len(keys):]:
             ax.axis("off")
-    fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy (RULER score)")
-    fig.suptitle("Needle retrieval by depth and length (dotted: trained length)", fontsize=10)
+    what = _needle_rows(rows)[1]
+    fig.colorbar(image, ax=axes, shrink=0.8, label="accuracy (RULER score)" if what == "needle tasks" else "accuracy")
+    fig.suptitle(f"Needle retrieval ({what}) by depth and length (dotted: trained length)", fontsize=10)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -304,7 +321,7 @@ def write_pictures(plan, rows: list[dict[str, Any]], models: list[dict[str, Any]
     place); yields (what, file) after each, so the caller can name it before the next one is drawn."""
     if plan.plot and any(r.get("kind", "ppl") == "ppl" and r.get("ppl") for r in rows):
         yield "plot", _replace(plan.plot, lambda tmp: plot(rows, models, tmp, title=plot_title(document)))
-    if plan.heatmap and any(r.get("depths") and r.get("kind") not in ("ppl", "passkey") for r in rows):
+    if plan.heatmap and needle_depths(rows):
         yield "needle heatmap", _replace(plan.heatmap, lambda tmp: needle_heatmap(rows, models, tmp))
 
 

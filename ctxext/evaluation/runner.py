@@ -89,6 +89,9 @@ class ModelJob:
     load_skeleton: Callable[[], Any] | None = None
     #: The key-token evaluator: (model, tokenizer, label) from the accelerate state; None: the model itself, unpatched.
     load_evaluator: Callable[[Any], tuple] | None = None
+    #: False: no passkey rows for this model even where the run measures passkey (the demo's default passkey, on
+    #: the reference models that were not trained to retrieve).
+    passkey: bool = True
 
 
 def default_lengths(original: int) -> list[int]:
@@ -167,7 +170,7 @@ class Runner:
         task_plan = None
         if s.tasks and s.lengths:  # lengths known before the weights: a task that fits none is reported first
             task_plan = self._task_plan(job, sources, list(s.lengths))
-            if not task_plan and not (s.perplexity or s.passkey):
+            if not task_plan and not (s.perplexity or (s.passkey and job.passkey)):
                 return  # nothing to measure: the weights are not loaded
         model = job.load_model(self.state)
         info = model_info(model, job.info.get("model", job.label), label=job.label, **{k: v for k, v in job.info.items() if k != "model"})
@@ -203,7 +206,7 @@ class Runner:
                                                  for r in requests for n in usable):  # not when every row resumed
             self._masks = self._key_masks(job, model, info, docs, usable)
         plan = [("ppl", L) for L in usable] if s.perplexity else []
-        if s.passkey:
+        if s.passkey and job.passkey:
             for length in lengths:
                 try:
                     passkey_prompt_check(tokenizer, length)

@@ -3,10 +3,11 @@ length, and which method holds best.
 
 Everything is read against the unpatched model at its trained length (1x): ``x3.4`` means 3.4 times that
 perplexity. Last-quarter perplexity is used where the rows have it (it scores only targets far into each window,
-where position matters), plain perplexity otherwise. Passkey accuracy, where measured, is added in the same way.
+where position matters), plain perplexity otherwise.
 
-Perplexity rewards a model that ignores far context, so where RULER-style tasks ran the verdict also names the
-method that retrieves best, and every method that holds perplexity but does not retrieve.
+Perplexity rewards a model that ignores far context, so where passkey or RULER-style tasks ran the verdict also
+names the method that retrieves best at the headline length (4x), and every method that holds perplexity there
+but does not retrieve.
 """
 
 from __future__ import annotations
@@ -88,22 +89,11 @@ def _perplexity_verdict(label: str, rows: list[dict[str, Any]], trained: int) ->
     return f"{label}: " + "; ".join(parts)
 
 
-def _passkey_verdict(rows: list[dict[str, Any]], trained: int) -> str | None:
-    acc = {(r["label"], int(r["length"])): r.get("accuracy") for r in rows if r.get("accuracy") is not None}
-    if not acc:
-        return None
-    lengths = sorted({n for _, n in acc})
-    longest = lengths[-1]
-    parts = []
-    if ("none", longest) in acc:
-        start = acc.get(("none", min(lengths)))
-        parts.append(f"unpatched {100 * start:.0f}% at {min(lengths)} -> {100 * acc[('none', longest)]:.0f}% at "
-                     f"{longest}" if start is not None else f"unpatched {100 * acc[('none', longest)]:.0f}% at {longest}")
-    patched = {lab: a for (lab, n), a in acc.items() if n == longest and lab != "none"}
-    if patched:
-        best = max(patched, key=patched.get)
-        parts.append(f"best {best} {100 * patched[best]:.0f}%")
-    return "passkey " + ", ".join(parts) if parts else None
+def _passkey_verdict(rows: list[dict[str, Any]], ppl_rows: list[dict[str, Any]], trained: int) -> str | None:
+    """As for the RULER-style tasks: the best method at the headline length, and any that holds perplexity there
+    but does not retrieve the key."""
+    acc = {(r["label"], int(r["length"])): r["accuracy"] for r in rows if r.get("accuracy") is not None}
+    return _retrieval_sentence(acc, "passkey", ppl_rows, trained)
 
 
 def _retrieval_verdict(rows: list[dict[str, Any]], ppl_rows: list[dict[str, Any]], trained: int) -> str | None:
@@ -118,6 +108,14 @@ def _retrieval_verdict(rows: list[dict[str, Any]], ppl_rows: list[dict[str, Any]
     else:
         scored, what = [r for r in rows if r.get("accuracy") is not None], tasks[0]
     acc = {(r["label"], int(r["length"])): r["accuracy"] for r in scored}
+    return _retrieval_sentence(acc, f"retrieval ({what})", ppl_rows, trained)
+
+
+def _retrieval_sentence(acc: dict[tuple[str, int], float], what: str, ppl_rows: list[dict[str, Any]],
+                        trained: int) -> str | None:
+    """``acc`` maps (label, length) to accuracy; ``what`` names the measure at the start of the sentence."""
+    if not acc:
+        return None
     headline = _headline(sorted({n for _, n in acc}), trained)
     if headline is None:
         return None
@@ -125,15 +123,16 @@ def _retrieval_verdict(rows: list[dict[str, Any]], ppl_rows: list[dict[str, Any]
     parts = []
     base = acc.get(("none", trained))
     if base is not None and base < RETRIEVES_AT_1X:
-        return (f"retrieval ({what}): unpatched scores {100 * base:.0f}% even at its trained length {trained}, "
+        return (f"{what}: unpatched scores {100 * base:.0f}% even at its trained length {trained}, "
                 "too little to rank methods by")
     if ("none", headline) in acc:
-        parts.append(f"unpatched {_percent(acc[('none', headline)])}")
+        parts.append(f"unpatched {_percent(acc[('none', headline)])}"
+                     + (f" ({_percent(base)} at {trained})" if base is not None else ""))
     patched = {lab: a for (lab, n), a in acc.items() if n == headline and lab != "none"}
     if patched:
         best = max(patched, key=patched.get)
         parts.append(f"best {best} {_percent(patched[best])}" if patched[best] > 0 else "no method retrieves")
-    sentence = f"retrieval ({what}) {at}: " + ", ".join(parts) if parts else None
+    sentence = f"{what} {at}: " + ", ".join(parts) if parts else None
     field = _metric(ppl_rows)
     ppl = {(r["label"], int(r["length"])): r.get(field) for r in ppl_rows if not r.get("not_applicable")}
     ppl_base = ppl.get(("none", trained))
@@ -163,7 +162,8 @@ def verdicts(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]]) -
             continue
         mine = [r for r in rows if r.get("model") == model["label"]]
         sentence = _perplexity_verdict(model["label"], [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
-        passkey = _passkey_verdict([r for r in mine if r.get("kind") == "passkey"], int(trained))
+        passkey = _passkey_verdict([r for r in mine if r.get("kind") == "passkey"],
+                                   [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
         retrieval = _retrieval_verdict([r for r in mine if r.get("kind") not in ("ppl", "passkey")],
                                        [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
         for extra in (passkey, retrieval):
