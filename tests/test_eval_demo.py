@@ -103,6 +103,28 @@ def test_demo_passkey_runs_on_the_reference_trained_to_retrieve(fake_reference, 
     assert (tmp_path / "demo_needles.png").exists() == bool(passkey_models)
 
 
+def test_the_demos_own_passkey_skips_lengths_its_prompt_does_not_fit(fake_reference, tmp_path, capsys):
+    """Asked for, a passkey that does not fit a length is an error; the demo's default notes it and goes on."""
+    fake_reference.RETRIEVAL_NAMES = ("llama",)
+    argv = ["demo", "--no-progress", "--device", "cpu", "--max-windows", "1", "--methods", "none", "--lengths",
+            "64,512", "--passkey-trials", "1", "--passkey-depths", "0.5"]
+    assert main(argv + ["--output", str(tmp_path / "a.json")]) == 0
+    rows = json.loads((tmp_path / "a.json").read_text())["results"]
+    assert [(r["model"], r["length"]) for r in rows if r["kind"] == "passkey"] == [("llama", 512)]
+    assert "passkey length 64 is too short" in capsys.readouterr().err
+    assert main(argv + ["--passkey", "--output", str(tmp_path / "b.json")]) == 2
+
+
+def test_a_resume_tells_the_demos_passkey_from_passkey_on_every_model(fake_reference, tmp_path, capsys):
+    fake_reference.RETRIEVAL_NAMES = ("llama",)
+    argv = ["demo", "--no-progress", "--device", "cpu", "--max-windows", "1", "--methods", "none", "--lengths",
+            "512", "--passkey-trials", "1", "--passkey-depths", "0.5", "--output", str(tmp_path / "d.json")]
+    assert main(argv + ["--passkey"]) == 0
+    capsys.readouterr()
+    assert main(argv + ["--resume"]) == 2  # passkey on llama only is another run than passkey on both
+    assert "written by a run with other settings (passkey)" in capsys.readouterr().err
+
+
 def test_demo_without_reference_models_is_one_line(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "ctxext.reference", None)  # import fails
     monkeypatch.delattr(ctxext, "reference", raising=False)

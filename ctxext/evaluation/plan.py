@@ -20,7 +20,7 @@ from .passkey import DEFAULT_DEPTHS
 from .preflight import check_evaluator_tokenizer, check_fit, check_key_tokens
 from .requests import MethodChoice, parse_factor
 from .results import check_file_target, check_output, jsonl_path, recorded_pictures
-from .runner import ModelJob, Settings
+from .runner import PASSKEY_ASKED, PASSKEY_NOT, ModelJob, Settings
 from ..reference import model_source, reference_name
 from .tasks import PASSKEY, PPL, parse_tasks
 from .windows import PROTOCOLS, check_protocol
@@ -128,6 +128,8 @@ class EvalPlan:
             "protocol": s.protocol, "stride": s.stride, "max_windows": s.max_windows, "max_tokens": s.max_tokens,
             "passkey": [True, list(s.passkey_depths), s.passkey_trials, s.seed] if s.passkey else None,
         }
+        if s.passkey and any(j.passkey != PASSKEY_ASKED for j in self.jobs):  # the demo's default: on some models only
+            found["passkey"].append([j.label for j in self.jobs if j.passkey != PASSKEY_NOT])
         # the tokenizer decides every row's tokens (perplexity windows, passkey prompts): a retrained one in place
         # must not resume (runs from before this key still do: ResultStore compares it only where recorded)
         found["tokenizers"] = [tokenizer_fingerprint(j.info) for j in self.jobs]

@@ -89,9 +89,13 @@ class ModelJob:
     load_skeleton: Callable[[], Any] | None = None
     #: The key-token evaluator: (model, tokenizer, label) from the accelerate state; None: the model itself, unpatched.
     load_evaluator: Callable[[Any], tuple] | None = None
-    #: False: no passkey rows for this model even where the run measures passkey (the demo's default passkey, on
-    #: the reference models that were not trained to retrieve).
-    passkey: bool = True
+    #: Passkey for this model where the run measures it: PASSKEY_ASKED (every length; one its prompt does not fit is
+    #: an error), PASSKEY_WHERE_IT_FITS (the demo's default: such a length is skipped with a note) or PASSKEY_NOT
+    #: (none: the demo's reference models that were not trained to retrieve).
+    passkey: str = "asked"
+
+
+PASSKEY_ASKED, PASSKEY_WHERE_IT_FITS, PASSKEY_NOT = "asked", "where it fits", "not"
 
 
 def default_lengths(original: int) -> list[int]:
@@ -170,7 +174,7 @@ class Runner:
         task_plan = None
         if s.tasks and s.lengths:  # lengths known before the weights: a task that fits none is reported first
             task_plan = self._task_plan(job, sources, list(s.lengths))
-            if not task_plan and not (s.perplexity or (s.passkey and job.passkey)):
+            if not task_plan and not (s.perplexity or (s.passkey and job.passkey != PASSKEY_NOT)):
                 return  # nothing to measure: the weights are not loaded
         model = job.load_model(self.state)
         info = model_info(model, job.info.get("model", job.label), label=job.label, **{k: v for k, v in job.info.items() if k != "model"})
@@ -206,12 +210,13 @@ class Runner:
                                                  for r in requests for n in usable):  # not when every row resumed
             self._masks = self._key_masks(job, model, info, docs, usable)
         plan = [("ppl", L) for L in usable] if s.perplexity else []
-        if s.passkey and job.passkey:
+        if s.passkey and job.passkey != PASSKEY_NOT:
             for length in lengths:
                 try:
                     passkey_prompt_check(tokenizer, length)
                 except ValueError as exc:
-                    self.error(f"{job.label}: {exc}; no passkey at this length")
+                    (self.log if job.passkey == PASSKEY_WHERE_IT_FITS else self.error)(
+                        f"{job.label}: {exc}; no passkey at this length")
                     continue
                 plan.append(("passkey", length))
         if s.tasks:
