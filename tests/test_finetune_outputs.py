@@ -295,5 +295,11 @@ def test_trainer_refusing_train_args_is_one_recipe_error(bases, tmp_path):
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
     d = quick(bases, tmp_path / "run", train={"args": {"report_to": ["wandb"]}})
-    with pytest.raises(RecipeError, match="train.args: transformers' Trainer refused them: .*wandb"):
+    from ctxext.finetune.train import check
+
+    # refused by the checks, before the model loads (a `ctxext finetune --check` catches it too)
+    with pytest.raises(RecipeError, match="train.args.report_to: wandb is not installed"):
+        check(recipe_from_dict(d))
+    with pytest.raises(RecipeError, match="train.args.report_to: wandb is not installed"):
         run(recipe_from_dict(d), progress=False)
+    assert not (tmp_path / "run").exists()

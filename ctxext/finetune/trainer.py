@@ -39,10 +39,24 @@ def training_arguments(recipe: Recipe, accumulation: int, progress: bool, use_cp
     mapped.update({name: t.gradient_checkpointing, f"{name}_kwargs": {"use_reentrant": False}})
     mapped.update(t.args)
     try:
-        return TrainingArguments(**mapped)
+        args = TrainingArguments(**mapped)
     except (ValueError, TypeError, ImportError) as exc:
         raise recipe.error("train: transformers.TrainingArguments refused the training settings (train keys and "
                            f"train.args): {' '.join(str(exc).split())}") from None
+    _check_reporting(recipe, args.report_to)
+    return args
+
+
+def _check_reporting(recipe: Recipe, report_to) -> None:
+    """train.args.report_to names integrations that are installed: Trainer would refuse the others only once the
+    model has loaded (``--check`` would pass a run that cannot start)."""
+    from transformers.integrations import get_available_reporting_integrations
+
+    wanted = [report_to] if isinstance(report_to, str) else list(report_to or [])
+    missing = [name for name in wanted if name not in ("none", "all") + tuple(get_available_reporting_integrations())]
+    if missing:
+        raise recipe.error(f"train.args.report_to: {', '.join(map(str, missing))} is not installed in this environment "
+                           "(pip install it, or drop it from train.args.report_to)")
 
 
 class RunTrainer(Trainer):
