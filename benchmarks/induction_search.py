@@ -186,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(args.seed + 1)
     n_synthetic = int(round(args.batch * args.synthetic))
     n_passkey = int(round(args.batch * args.passkey))
+    if n_synthetic + n_passkey > args.batch:
+        p.error(f"--synthetic {args.synthetic} and --passkey {args.passkey} add up to more than the batch")
     log = args.out.with_suffix(".jsonl")
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("")

@@ -74,6 +74,10 @@ class Settings:
         return self.stride if self.stride is not None else max(1, length // 2)
 
 
+#: What ``ModelJob.passkey`` may say.
+PASSKEY_ASKED, PASSKEY_WHERE_IT_FITS, PASSKEY_NOT = "asked", "where it fits", "not"
+
+
 @dataclass
 class ModelJob:
     """One model to evaluate, and what to evaluate it with."""
@@ -92,10 +96,7 @@ class ModelJob:
     #: Passkey for this model where the run measures it: PASSKEY_ASKED (every length; one its prompt does not fit is
     #: an error), PASSKEY_WHERE_IT_FITS (the demo's default: such a length is skipped with a note) or PASSKEY_NOT
     #: (none: the demo's reference models that were not trained to retrieve).
-    passkey: str = "asked"
-
-
-PASSKEY_ASKED, PASSKEY_WHERE_IT_FITS, PASSKEY_NOT = "asked", "where it fits", "not"
+    passkey: str = PASSKEY_ASKED
 
 
 def default_lengths(original: int) -> list[int]:
