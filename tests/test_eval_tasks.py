@@ -210,3 +210,18 @@ def test_the_heatmap_draws_passkey_by_depth_where_no_needle_task_ran(tmp_path):
     rows.append(row("niah_single_1", "none", 100, {"0": 0.5, "1": 0.0}))
     assert needle_depths(rows) == {("m", "none"): {(0.0, 100): 0.5, (1.0, 100): 0.0}}
     assert needle_depths(rows[:1]) == {}
+
+
+def test_verdict_names_a_method_that_misses_under_passkey_and_tasks_once():
+    """Passkey and RULER-style tasks in one run: a method that holds perplexity and misses both is one clause with
+    both scores, not two clauses that repeat its perplexity."""
+    rows, models = _rows()
+    rows += [{"kind": "passkey", "model": "m", "label": lab, "length": n, "accuracy": a}
+             for lab, n, a in (("none", 100, 1.0), ("none", 400, 0.0), ("yarn", 400, 0.8),
+                               ("streaming-llm", 400, 0.1))]
+    [sentence] = verdicts(rows, models)
+    assert "passkey at 400 = 4x: unpatched 0% (100% at 100), best yarn 80%" in sentence
+    assert "retrieval (average of 2 tasks) at 400 = 4x: unpatched 10% (90% at 100), best yarn 70%" in sentence
+    assert sentence.count("streaming-llm holds perplexity") == 1
+    assert sentence.endswith(
+        "streaming-llm holds perplexity (x0.97) but retrieves 10% (passkey), 0% (average of 2 tasks) at 400 = 4x")

@@ -12,7 +12,7 @@ but does not retrieve.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 #: Perplexity ratios (vs unpatched at 1x) from which the unpatched model "fails" / "degrades".
 FAILS = 2.0
@@ -89,42 +89,48 @@ def _perplexity_verdict(label: str, rows: list[dict[str, Any]], trained: int) ->
     return f"{label}: " + "; ".join(parts)
 
 
-def _passkey_verdict(rows: list[dict[str, Any]], ppl_rows: list[dict[str, Any]], trained: int) -> str | None:
+def _passkey_verdict(rows: list[dict[str, Any]], ppl_rows: list[dict[str, Any]], trained: int) -> Retrieval:
     """As for the RULER-style tasks: the best method at the headline length, and any that holds perplexity there
     but does not retrieve the key."""
     acc = {(r["label"], int(r["length"])): r["accuracy"] for r in rows if r.get("accuracy") is not None}
-    return _retrieval_sentence(acc, "passkey", ppl_rows, trained)
+    return _retrieval_sentence(acc, "passkey", "passkey", ppl_rows, trained)
 
 
-def _retrieval_verdict(rows: list[dict[str, Any]], ppl_rows: list[dict[str, Any]], trained: int) -> str | None:
+def _retrieval_verdict(rows: list[dict[str, Any]], ppl_rows: list[dict[str, Any]], trained: int) -> Retrieval:
     """Which method retrieves best at the headline length, and which hold perplexity there but do not retrieve."""
     from .report import task_average, task_names
 
     tasks = task_names(rows)
     if not tasks:
-        return None
+        return None, []
     if len(tasks) > 1:
         scored, what = task_average(rows), f"average of {len(tasks)} tasks"
     else:
         scored, what = [r for r in rows if r.get("accuracy") is not None], tasks[0]
     acc = {(r["label"], int(r["length"])): r["accuracy"] for r in scored}
-    return _retrieval_sentence(acc, f"retrieval ({what})", ppl_rows, trained)
+    return _retrieval_sentence(acc, f"retrieval ({what})", what, ppl_rows, trained)
 
 
-def _retrieval_sentence(acc: dict[tuple[str, int], float], what: str, ppl_rows: list[dict[str, Any]],
-                        trained: int) -> str | None:
-    """``acc`` maps (label, length) to accuracy; ``what`` names the measure at the start of the sentence."""
+#: A retrieval measure's sentence, and the methods that hold perplexity but miss there, each as
+#: (label, "at N = Mx", perplexity ratio, accuracy, the measure's short name)
+Retrieval = tuple[Optional[str], list[tuple[str, str, float, float, str]]]
+
+
+def _retrieval_sentence(acc: dict[tuple[str, int], float], what: str, short: str, ppl_rows: list[dict[str, Any]],
+                        trained: int) -> Retrieval:
+    """``acc`` maps (label, length) to accuracy; ``what`` names the measure at the start of the sentence, ``short``
+    where a miss is listed beside another measure's."""
     if not acc:
-        return None
+        return None, []
     headline = _headline(sorted({n for _, n in acc}), trained)
     if headline is None:
-        return None
+        return None, []
     at = f"at {headline} = {_multiple(headline, trained)}"
     parts = []
     base = acc.get(("none", trained))
     if base is not None and base < RETRIEVES_AT_1X:
         return (f"{what}: unpatched scores {100 * base:.0f}% even at its trained length {trained}, "
-                "too little to rank methods by")
+                "too little to rank methods by"), []
     if ("none", headline) in acc:
         parts.append(f"unpatched {_percent(acc[('none', headline)])}"
                      + (f" ({_percent(base)} at {trained})" if base is not None else ""))
@@ -139,13 +145,25 @@ def _retrieval_sentence(acc: dict[tuple[str, int], float], what: str, ppl_rows: 
     # A miss says something only about a model that can retrieve: shown by its unpatched row at the trained length
     # or, where the run has none (a task may not fit there), by any row of the run that retrieves.
     can_retrieve = base is not None or any(a >= RETRIEVES_AT_1X for a in acc.values())
+    misses = []
     if ppl_base and can_retrieve:  # perplexity that holds while retrieval is gone
-        blind = [f"{lab} holds perplexity (x{ppl[(lab, headline)] / ppl_base:.2f}) but retrieves "
-                 f"{_percent(a)} {at}" for lab, a in sorted(patched.items())
-                 if a < NO_RETRIEVAL and ppl.get((lab, headline)) and ppl[(lab, headline)] / ppl_base < DEGRADES]
-        if blind:
-            sentence = "; ".join(([sentence] if sentence else []) + blind)
-    return sentence
+        misses = [(lab, at, ppl[(lab, headline)] / ppl_base, a, short) for lab, a in sorted(patched.items())
+                  if a < NO_RETRIEVAL and ppl.get((lab, headline)) and ppl[(lab, headline)] / ppl_base < DEGRADES]
+    return sentence, misses
+
+
+def _misses_sentence(misses: list[tuple[str, str, float, float, str]]) -> list[str]:
+    """One clause per method and length that holds perplexity but misses: passkey's and the tasks' misses of one
+    method are named together ("retrieves 10% (passkey), 0% (niah)"), not as two clauses."""
+    grouped: dict[tuple[str, str], list[tuple[float, float, str]]] = {}
+    for lab, at, ratio, a, short in misses:
+        grouped.setdefault((lab, at), []).append((ratio, a, short))
+    clauses = []
+    for (lab, at), found in grouped.items():
+        scores = (_percent(found[0][1]) if len(found) == 1
+                  else ", ".join(f"{_percent(a)} ({short})" for _, a, short in found))
+        clauses.append(f"{lab} holds perplexity (x{found[0][0]:.2f}) but retrieves {scores} {at}")
+    return clauses
 
 
 def _percent(accuracy: float) -> str:
@@ -162,11 +180,11 @@ def verdicts(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]]) -
             continue
         mine = [r for r in rows if r.get("model") == model["label"]]
         sentence = _perplexity_verdict(model["label"], [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
-        passkey = _passkey_verdict([r for r in mine if r.get("kind") == "passkey"],
-                                   [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
-        retrieval = _retrieval_verdict([r for r in mine if r.get("kind") not in ("ppl", "passkey")],
-                                       [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
-        for extra in (passkey, retrieval):
+        passkey, passkey_misses = _passkey_verdict([r for r in mine if r.get("kind") == "passkey"],
+                                                   [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
+        retrieval, task_misses = _retrieval_verdict([r for r in mine if r.get("kind") not in ("ppl", "passkey")],
+                                                    [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
+        for extra in (passkey, retrieval, *_misses_sentence(passkey_misses + task_misses)):
             if extra and sentence:
                 sentence += f"; {extra}"
             elif extra:
