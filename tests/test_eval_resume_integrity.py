@@ -164,3 +164,13 @@ def test_a_hub_models_fingerprint_follows_the_pinned_revision(tmp_path, monkeypa
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
     assert model_fingerprint({"model": "org/m"}) == {"hub_commit": "a" * 40}
     assert model_fingerprint({"model": "org/m", "revision": "b" * 40}) == {"hub_commit": "b" * 40}
+
+
+def test_a_shipped_models_fingerprint_is_its_files_under_either_name():
+    """``reference:llama`` and ``ctxext.reference:llama`` name one shipped folder: both are fingerprinted by its files
+    (not looked up as a hub id), so a resume sees a changed checkpoint whichever name the run was given."""
+    from ctxext.evaluation.fingerprint import model_fingerprint, tokenizer_fingerprint
+
+    short, long = {"model": "reference:llama"}, {"model": "ctxext.reference:llama"}
+    assert "model" in model_fingerprint(short) and model_fingerprint(short) == model_fingerprint(long)
+    assert tokenizer_fingerprint(short) and tokenizer_fingerprint(short) == tokenizer_fingerprint(long)

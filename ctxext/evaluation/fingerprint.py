@@ -56,11 +56,10 @@ def _hub_commit(model_id: str, revision: str | None = None) -> str | None:
 
 def _folder(model: str) -> Path:
     """The local folder a job's ``model`` names (a shipped reference model's, or the path itself)."""
-    if model.startswith("ctxext.reference:"):
-        from ..reference import reference_path
+    from ..reference import reference_name, reference_path
 
-        return Path(reference_path(model.split(":", 1)[1]))
-    return Path(model).expanduser()
+    name = reference_name(model)  # reference:NAME or ctxext.reference:NAME, as every command reads them
+    return Path(reference_path(name)) if name is not None else Path(model).expanduser()
 
 
 def model_fingerprint(info: dict[str, Any]) -> dict[str, Any]:
