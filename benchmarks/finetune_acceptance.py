@@ -193,7 +193,7 @@ def write_report(results: dict, info: dict, notes: Path | None = None) -> None:
         "# Fine-tune recipes: acceptance on the reference checkpoints",
         "",
         f"Date: {info['date']}. Machine: {info['machine']['cpu']}, {info['machine']['cores']} cores, "
-        f"torch {info['machine']['torch']} (CPU, {info['machine']['torch_threads']} threads), "
+        f"torch {info['machine']['torch']} (CPU, {info.get('torch_threads', info['machine']['torch_threads'])} threads), "
         f"transformers {info['machine']['transformers']}.",
         "Produced by `python benchmarks/finetune_acceptance.py`; numbers in `finetune_report.json`.",
         "Checkpoints (sha256 of model.safetensors, first 16 hex digits): "
@@ -278,13 +278,18 @@ def pose_comparison(results: dict, info: dict) -> list[str]:
 
 
 def timing_machine(info: dict) -> str:
+    """The machine the steps were timed on, with the threads of the timing runs (not of a later --report-only)."""
     m = info.get("machine", {})
-    return f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {m.get('torch_threads', '?')} torch threads"
+    threads = next((t["torch_threads"] for t in info.get("timing", {}).values() if t.get("torch_threads")),
+                   m.get("torch_threads", "?"))
+    return f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, {threads} torch threads"
 
 
 def time_steps(keys: list[str], steps: int, out_root: Path) -> dict:
     """Seconds per optimizer step of each run's recipe, N steps each, no evaluation, no checkpoints."""
     import statistics
+
+    import torch
 
     from ctxext.finetune import load_recipe, run
 
@@ -298,7 +303,8 @@ def time_steps(keys: list[str], steps: int, out_root: Path) -> dict:
         seconds = [json.loads(line)["seconds"] for line in (out / "log.jsonl").read_text().splitlines()
                    if json.loads(line).get("event") == "step"]
         timing[key] = {"steps": len(seconds), "median_s": statistics.median(seconds[1:] or seconds),
-                       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+                       "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                       "torch_threads": torch.get_num_threads()}
         print(f"timing {key}: {timing[key]}", flush=True)
     return timing
 
@@ -350,15 +356,17 @@ def main() -> int:
         else:
             s = run_one(key, steps, args.out, args.overrides)
             s["date"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-        if not args.report_only or key not in results or "torch_threads" not in s:
-            s.setdefault("torch_threads", torch.get_num_threads())
+        if args.report_only and results.get(key, {}).get("torch_threads"):  # the run's threads, kept from its report
+            s.setdefault("torch_threads", results[key]["torch_threads"])
+        s.setdefault("torch_threads", torch.get_num_threads())
         s["recipe_train"] = yaml.safe_load((args.out / key / "recipe.yaml").read_text())["train"]
         s["acceptance"] = judge(key, s)
         s.pop("losses_all", None)
         results[key] = s
         print(f"{key}: {json.dumps(s['acceptance'])}", flush=True)
+        ran = {r.get("torch_threads") for r in results.values()} - {None}  # the runs' threads, not --report-only's
         info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                "machine": machine(), "torch_threads": torch.get_num_threads(),
+                "machine": machine(), "torch_threads": ran.pop() if len(ran) == 1 else torch.get_num_threads(),
                 "checkpoints": checkpoint_ids(results), "timing": timing}
         write_report(results, info, args.notes)
     return 0 if all(r["acceptance"]["pass"] for r in results.values()) else 1
