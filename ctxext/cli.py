@@ -51,6 +51,15 @@ def _raise_terminated(signum, frame):
     raise Terminated()
 
 
+def _quiet_libraries() -> None:
+    """``--no-progress``: the libraries' bars too (transformers' "Loading weights", the hub's downloads)."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Python's default for SIGTERM ends the process without running any cleanup; a handler someone else set is kept
@@ -60,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         global _HANDLER_PID
         _HANDLER_PID = os.getpid()
         signal.signal(signal.SIGTERM, _raise_terminated)
+    if getattr(args, "no_progress", False):
+        _quiet_libraries()
     try:
         return int(args.func(args) or 0)
     except (PatchError, FileNotFoundError, OSError, ValueError) as exc:

@@ -303,3 +303,74 @@ def test_trainer_refusing_train_args_is_one_recipe_error(bases, tmp_path):
     with pytest.raises(RecipeError, match="train.args.report_to: wandb is not installed"):
         run(recipe_from_dict(d), progress=False)
     assert not (tmp_path / "run").exists()
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("where", ["building Trainer", "Trainer's start"])
+def test_overwrite_keeps_the_old_run_until_training_begins(bases, tmp_path, monkeypatch, where):
+    """--overwrite replaces a finished run only once the new run is at its first step: a refusal from Trainer (an
+    offline push_to_hub, an evaluation it has no data for, an optimizer it cannot build) leaves the old run as it was,
+    and a rerun starts from a folder that holds one run, not a log with two starts."""
+    import transformers
+
+    out = tmp_path / "run"
+    run(recipe_from_dict(quick(bases, out)), progress=False)
+    before = _snapshot(out)
+
+    def refuse(*args, **kwargs):
+        raise ValueError("refused by Trainer")
+
+    target = "__init__" if where == "building Trainer" else "create_optimizer"
+    monkeypatch.setattr(transformers.Trainer, target, refuse)
+    with pytest.raises(ValueError, match="refused by Trainer"):
+        run(recipe_from_dict(quick(bases, out, output={"overwrite": True}, train={"steps": 3})), progress=False)
+    assert _snapshot(out) == before
+
+
+def test_overwrite_removes_only_the_folders_trainer_and_ctxext_write(bases, tmp_path):
+    """Trainer writes checkpoint-<digits>, ctxext sets damaged ones aside as damaged-checkpoint-<digits>: a folder
+    of the user's whose name only starts so stays."""
+    out = tmp_path / "run"
+    run(recipe_from_dict(quick(bases, out)), progress=False)
+    for name in ("checkpoint-1-keep", "checkpoint-notes", "damaged-checkpoint-9"):
+        (out / name).mkdir()
+        (out / name / "f.txt").write_text("mine\n")
+    run(recipe_from_dict(quick(bases, out, output={"overwrite": True})), progress=False)
+    assert (out / "checkpoint-1-keep" / "f.txt").exists() and (out / "checkpoint-notes" / "f.txt").exists()
+    assert not (out / "damaged-checkpoint-9").exists()
+
+
+@pytest.mark.parametrize("arg", ["save_only_model", "ignore_data_skip", "eval_on_start", "load_best_model_at_end"])
+def test_train_args_that_would_break_resume_or_need_an_evaluation_set_are_refused(bases, tmp_path, arg):
+    """A checkpoint without the optimizer, or a resume that does not skip the batches already trained, would make
+    --resume silently differ from an uninterrupted run; Trainer gets no evaluation set to evaluate or pick by."""
+    with pytest.raises(RecipeError, match=f"train.args.{arg}: set by"):
+        recipe_from_dict(quick(bases, tmp_path / "o", train={"args": {arg: True}}))
+
+
+def test_an_eval_stride_past_the_training_length_is_refused_before_training(bases, tmp_path):
+    out = tmp_path / "run"
+    d = quick(bases, out, eval={"enabled": True, "protocol": "sliding", "stride": 10_000, "before": False})
+    with pytest.raises(RecipeError, match="eval.stride: stride must be between 1 and length - 1"):
+        run(recipe_from_dict(d), progress=False)
+    assert not out.exists()
+
+
+def test_scheduler_kwargs_the_schedule_does_not_take_are_refused_by_the_check(bases, tmp_path):
+    from ctxext.finetune.train import check
+
+    d = quick(bases, tmp_path / "o", train={"args": {"lr_scheduler_kwargs": {"foo": 1}}})
+    with pytest.raises(RecipeError, match="train.args.lr_scheduler_kwargs: the cosine schedule refused"):
+        check(recipe_from_dict(d))
+
+
+def test_resume_asking_a_merged_model_of_a_finished_run_says_it_is_not_written(bases, tmp_path):
+    out = tmp_path / "run"
+    run(recipe_from_dict(quick(bases, out)), progress=False)
+    before = _snapshot(out)
+    with pytest.raises(RecipeError, match="finished without a merged model"):
+        run(recipe_from_dict(quick(bases, out, output={"merged": True})), resume=True, progress=False)
+    assert _snapshot(out) == before

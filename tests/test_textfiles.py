@@ -103,3 +103,15 @@ def test_a_json_list_is_read_by_both(tmp_path):
     path.write_text(json.dumps([{"body": "x"}]))
     with pytest.raises(RecipeError, match=r"data.files: .*docs.json: expected a list of objects with a 'text' field"):
         list(iter_documents([path], DataConfig(files=[str(path)])))
+
+
+def test_a_folder_search_skips_hidden_files_and_everything_in_hidden_folders(tmp_path):
+    """``.git`` and ``.ipynb_checkpoints`` hold copies and notes, not the data: read as data they would train and
+    score text twice. A hidden folder above the searched one is the user's choice and is read."""
+    from ctxext.data.textfiles import find_files
+
+    root = tmp_path / ".work" / "data"
+    for name in ("a.txt", ".b.txt", ".ipynb_checkpoints/a-checkpoint.txt", ".git/notes.md", "sub/c.jsonl"):
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("x\n")
+    assert [p.relative_to(root).as_posix() for p in find_files(root)] == ["a.txt", "sub/c.jsonl"]

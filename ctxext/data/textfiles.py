@@ -72,9 +72,12 @@ JSONL_SUFFIXES = {".jsonl", ".ndjson"}
 
 
 def find_files(folder: Path) -> list[Path]:
-    """The data files under ``folder``, searched recursively and sorted by path (hidden files skipped)."""
-    return sorted(f for f in Path(folder).rglob("*")
-                  if f.is_file() and inner_suffix(f) in TEXT_SUFFIXES | JSONL_SUFFIXES and not f.name.startswith("."))
+    """The data files under ``folder``, searched recursively and sorted by path (hidden files and everything in
+    hidden folders skipped: ``.git``, ``.ipynb_checkpoints`` hold copies and notes, not the data)."""
+    folder = Path(folder)
+    return sorted(f for f in folder.rglob("*")
+                  if f.is_file() and inner_suffix(f) in TEXT_SUFFIXES | JSONL_SUFFIXES
+                  and not any(part.startswith(".") for part in f.relative_to(folder).parts))
 
 
 def read_documents(path: Path, text_field: str, hint: str, errors: str = "strict") -> Iterator[str]:

@@ -15,6 +15,7 @@ renamed ``damaged-checkpoint-N`` when training starts (Trainer's rotation and re
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -159,8 +160,8 @@ def remove_all(out: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
     if (Path(out) / OLD_LAYOUT).is_dir() and not any((Path(out) / OLD_LAYOUT).iterdir()):
         (Path(out) / OLD_LAYOUT).rmdir()
-    for path in Path(out).iterdir():
-        if path.is_dir() and path.name.removeprefix(DAMAGED_PREFIX).startswith(PREFIX):
+    for path in Path(out).iterdir():  # Trainer's checkpoint-N, and set_aside's damaged-checkpoint-N[-n]; nothing else
+        if path.is_dir() and re.fullmatch(f"{PREFIX}\\d+|{DAMAGED_PREFIX}{PREFIX}\\d+(-\\d+)?", path.name):
             shutil.rmtree(path, ignore_errors=True)
 
 

@@ -758,6 +758,12 @@ OWNED = {
     "save_total_limit": "train.keep_checkpoints", "use_cpu": "train.cpu", "resume_from_checkpoint": "--resume",
     "disable_tqdm": "--no-progress", "logging_nan_inf_filter": "ctxext (a non-finite loss stops the run)",
     "remove_unused_columns": "ctxext (its examples hold only model inputs)",
+    "save_only_model": "ctxext (a checkpoint keeps the optimizer and the schedule, so --resume continues the run "
+                       "exactly)",
+    "ignore_data_skip": "ctxext (--resume skips the batches already trained, so the run equals an uninterrupted one)",
+    "eval_strategy": "eval (ctxext evaluates before and after training; Trainer gets no evaluation set)",
+    "eval_on_start": "eval (ctxext evaluates before and after training; Trainer gets no evaluation set)",
+    "load_best_model_at_end": "eval (Trainer gets no evaluation set to pick a best checkpoint by)",
 }
 
 

@@ -57,7 +57,15 @@ def load_model(cfg: ModelConfig) -> nn.Module:
     kw["dtype"] = _dtype(cfg.dtype)
     if cfg.attn_implementation:
         kw["attn_implementation"] = cfg.attn_implementation
-    return from_pretrained(model_source(cfg), **kw)
+    try:
+        return from_pretrained(model_source(cfg), **kw)
+    except ImportError as exc:  # an attention implementation whose package is missing (flash_attention_2, ...)
+        raise _import_error(cfg, exc) from None
+
+
+def _import_error(cfg: ModelConfig, exc: ImportError) -> RecipeError:
+    key = "model.attn_implementation" if cfg.attn_implementation else "model.name"
+    return RecipeError(f"{key}: {' '.join(str(exc).split())}")
 
 
 def skeleton(cfg: ModelConfig) -> nn.Module | None:
@@ -69,6 +77,8 @@ def skeleton(cfg: ModelConfig) -> nn.Module | None:
         return model_skeleton(model_source(cfg), attn_implementation=cfg.attn_implementation, **_load_kwargs(cfg))
     except RecipeError:
         raise
+    except ImportError as exc:  # the weights would not load either (a missing flash-attn, ...): said now
+        raise _import_error(cfg, exc) from None
     except Exception:  # noqa: BLE001 - any failure here only postpones the checks
         return None
 

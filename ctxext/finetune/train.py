@@ -104,7 +104,21 @@ def check(recipe: Recipe) -> dict[str, Any]:
             checked["pose_target"] = _pose_target(recipe, spec, model, seq_length)
         except RecipeError as exc:
             raise recipe.error(str(exc), exc.problems) from None
+    _check_eval_windows(recipe, list(recipe.eval.lengths) or [checked.get("pose_target") or seq_length])
     return checked
+
+
+def _check_eval_windows(recipe: Recipe, lengths: list[int]) -> None:
+    """eval.stride fits every evaluation length (a sliding window's stride is below its length): checked before
+    training, not found after it."""
+    from ..evaluation.windows import check_protocol
+
+    e = recipe.eval
+    for length in lengths if e.enabled else ():
+        try:
+            check_protocol(e.protocol, int(length), e.stride)
+        except ValueError as exc:
+            raise recipe.error(f"eval.stride: {exc} (eval.lengths, default: the training length)") from None
 
 
 def _check_shift_length(recipe: Recipe, seq_length: int, model=None) -> None:
@@ -226,6 +240,12 @@ def _refuse_finished_or_stale(recipe: Recipe, out: Path, resume: bool, say) -> t
             saved = out / "recipe.yaml"  # the finished run's recipe: --resume with another one is not this run
             if saved.is_file():
                 ckpt.check_compatible(out, recipe, _finished_record(saved), finished=True)
+            if recipe.output.merged and not (out / "merged").is_dir():
+                raise RecipeError(
+                    f"output.merged: the run in {str(out)!r} finished without a merged model, and --resume has nothing "
+                    "left to run (the merged model is written at the end of training); nothing was changed. Load it "
+                    "merged with ctxext.from_pretrained(BASE, adapter=DIR).merge_and_unload(), or run the recipe "
+                    "into another output.dir")
             say(f"{out} holds a finished run; nothing to resume")
             return None, [], _finished_record(finished)
         raise RecipeError(
@@ -367,7 +387,7 @@ def run(
     latest, damaged, finished = _refuse_finished_or_stale(recipe, out, resume, say)
     if finished is not None:
         return finished
-    log = RunLog(out / RUN_LOG, main)
+    log = RunLog(out / RUN_LOG, main, held=True)  # written from the first training step (``begin`` below)
 
     # -- model, patch, data
     set_seed(t.seed)
@@ -413,6 +433,7 @@ def run(
         model.to(args.device)
         check_position_input(model, pose_target, recipe.patch.method)
     eval_lengths = eval_lengths or [pose_target or seq_length]
+    _check_eval_windows(recipe, eval_lengths)
     data = build_packed_data(recipe, tokenizer, seq_length, pose_target)
     check_data_size(recipe, len(data), seq_length)
     digest = hashlib.sha256(data.sequences.numpy().tobytes()).hexdigest()  # the training tokens, as packed
@@ -422,15 +443,6 @@ def run(
                            "with, or start over with --set output.overwrite=true")
     record["data_sha256"] = digest
     _check_shift_length(recipe, seq_length, model)  # the length is known only now (the patch can set it)
-    # -- only now, with the model loaded and the data read, is the output folder made (or an old run cleared):
-    # a recipe that fails before this point leaves output.dir exactly as it was
-    state.wait_for_everyone()
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        if recipe.output.overwrite and not resume:
-            _clear_run(out)
-        ckpt.set_aside([path for path, _, _ in damaged])  # newer than the one resumed: they must not count as newest
-    state.wait_for_everyone()
     say(
         f"patch: {spec['method'] + ' x' + format(spec['factor'] or 1, 'g') if spec else 'none'}; "
         f"{len(data)} sequences of {seq_length} tokens"
@@ -445,8 +457,6 @@ def run(
         log.write(event="start", recipe=recipe.to_dict(), world_size=world, accumulation=accum,
                   seq_length=seq_length, pose_target=pose_target, sequences=len(data), patch=spec,
                   device=str(args.device))
-        if main:
-            (out / "recipe.yaml").write_text(recipe.to_yaml(absolute_paths=True))
     if recipe.eval.enabled and recipe.eval.before and record["before"] is None:
         say(f"perplexity before training on {eval_label} at {', '.join(map(str, eval_lengths))} tokens")
         record["before"] = _evaluate(recipe, model, eval_tokens, eval_lengths, state, progress)
@@ -463,12 +473,31 @@ def run(
     beside = {"recipe.yaml": recipe.to_yaml(absolute_paths=True)}
     if spec is not None:
         beside[PATCH_FILE] = json.dumps(spec, indent=2) + "\n"
-    callback = RunCallback(recipe, record, log, tokens_per_step, stop_after, beside)
+
+    def begin() -> None:
+        """The first write into output.dir, once Trainer is at its first step: a run that fails before (a model that
+        does not load, Trainer refusing train.args, an interrupted evaluation) leaves output.dir exactly as it was,
+        an earlier run that --overwrite would replace included."""
+        state.wait_for_everyone()
+        if main:
+            out.mkdir(parents=True, exist_ok=True)
+            if recipe.output.overwrite and not resume:
+                _clear_run(out)
+            ckpt.set_aside([path for path, _, _ in damaged])  # newer than the one resumed: not to count as newest
+            if latest is None:
+                (out / "recipe.yaml").write_text(recipe.to_yaml(absolute_paths=True))
+            else:
+                log.truncate_after(saved["step"])
+        log.open()
+        state.wait_for_everyone()
+
+    callback = RunCallback(recipe, record, log, tokens_per_step, stop_after, beside, begin=begin)
     try:
         trainer = RunTrainer(model=model, args=args, train_dataset=RunSamples(data, t.steps * t.batch_size),
                              data_collator=default_data_collator, callbacks=[callback])
-    except (RuntimeError, ImportError) as exc:  # e.g. report_to: wandb with wandb not installed
-        raise RecipeError(f"train.args: transformers' Trainer refused them: {str(exc).splitlines()[0]}") from None
+    except Exception as exc:  # noqa: BLE001 - whatever Trainer refuses (an offline push_to_hub, a missing package)
+        raise RecipeError(f"train.args: transformers' Trainer refused them: {type(exc).__name__}: "
+                          f"{(str(exc).splitlines() or [''])[0]}") from None
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     for printing in (PrinterCallback, ProgressCallback):  # the step records go to log.jsonl, not stdout
@@ -476,7 +505,6 @@ def run(
     if progress:
         trainer.add_callback(LossBar)
     if latest is not None:
-        log.truncate_after(saved["step"])
         log.write(event="resume", step=saved["step"], checkpoint=latest.name, world_size=world)
         say(f"resuming from {latest}")
     # S²-Attn while training only: evaluation (model.eval()) already runs full attention; undone before the save
@@ -486,6 +514,8 @@ def run(
     finally:
         if undo_shift is not None:
             undo_shift()
+    if callback.begin is not None:  # no step ran in this invocation (nothing was left to train)
+        begin()
     step = trainer.state.global_step
     if step < t.steps:
         say(f"stopped after step {step} of {t.steps}; continue with --resume")

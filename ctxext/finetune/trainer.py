@@ -44,7 +44,29 @@ def training_arguments(recipe: Recipe, accumulation: int, progress: bool, use_cp
         raise recipe.error("train: transformers.TrainingArguments refused the training settings (train keys and "
                            f"train.args): {' '.join(str(exc).split())}") from None
     _check_reporting(recipe, args.report_to)
+    _check_optimizer(recipe, args)
     return args
+
+
+def _check_optimizer(recipe: Recipe, args: TrainingArguments) -> None:
+    """train.args.optim names an optimizer whose package is installed, and train.args.lr_scheduler_kwargs are
+    arguments the schedule takes: Trainer would meet either only at its first step, after the model has loaded."""
+    try:
+        Trainer.get_optimizer_cls_and_kwargs(args)
+    except ImportError as exc:
+        raise recipe.error(f"train.args.optim: {getattr(args.optim, 'value', args.optim)}: {' '.join(str(exc).split())}") from None
+    except Exception:  # noqa: BLE001 - an optimizer that needs the model to be built (GaLore): left to Trainer
+        pass
+    if args.lr_scheduler_kwargs:
+        from transformers import get_scheduler
+
+        probe = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        try:
+            get_scheduler(args.lr_scheduler_type, probe, num_warmup_steps=args.get_warmup_steps(args.max_steps),
+                          num_training_steps=args.max_steps, scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs))
+        except (TypeError, ValueError) as exc:
+            raise recipe.error(f"train.args.lr_scheduler_kwargs: the {recipe.train.scheduler} schedule refused "
+                               f"{args.lr_scheduler_kwargs}: {' '.join(str(exc).split())}") from None
 
 
 def _check_reporting(recipe: Recipe, report_to) -> None:
@@ -80,8 +102,11 @@ class RunCallback(TrainerCallback):
     ``--stop-after N`` (stop with a checkpoint after N steps in this invocation), ctxext's checkpoint record."""
 
     def __init__(self, recipe: Recipe, record: dict[str, Any], log, tokens_per_step: int, stop_after: int | None,
-                 beside_adapter: dict[str, str] | None = None):
+                 beside_adapter: dict[str, str] | None = None, begin=None):
         self.recipe, self.record, self.log = recipe, record, log
+        #: called once, when this invocation's first step begins (Trainer has built its optimizer and run whatever it
+        #: runs before training): the run's first write into output.dir
+        self.begin = begin
         #: files written into each checkpoint beside its adapter (name -> text): the patch file and the recipe, so
         #: that ``ctxext.from_pretrained(base, adapter=OUT/checkpoint-N)`` loads it patched and in its trained dtype
         self.beside_adapter = dict(beside_adapter or {})
@@ -93,6 +118,9 @@ class RunCallback(TrainerCallback):
         state.save_steps, state.logging_steps = args.save_steps, args.logging_steps
 
     def on_step_begin(self, args, state, control, **kwargs):
+        if self.begin is not None:
+            begin, self.begin = self.begin, None
+            begin()
         self.tic = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -142,16 +170,27 @@ class RunCallback(TrainerCallback):
 
 
 class RunLog:
-    """Append-only JSON lines (main process only)."""
+    """Append-only JSON lines (main process only). ``held``: records are kept in memory until :meth:`open` (a run
+    writes nothing into its folder before training has begun)."""
 
-    def __init__(self, path: Path, enabled: bool):
+    def __init__(self, path: Path, enabled: bool, held: bool = False):
         self.path, self.enabled = path, enabled
+        self.waiting: list[dict[str, Any]] | None = [] if held else None
 
     def write(self, **record: Any) -> None:
         if self.enabled:
             record.setdefault("time", round(time.time(), 3))
+            if self.waiting is not None:
+                self.waiting.append(record)
+                return
             with self.path.open("a") as fh:
                 fh.write(json.dumps(record) + "\n")
+
+    def open(self) -> None:
+        """Write the records held so far, and every later one as it comes."""
+        waiting, self.waiting = self.waiting or [], None
+        for record in waiting:
+            self.write(**record)
 
     def truncate_after(self, step: int) -> None:
         """Drop step records past ``step`` (left by an interrupted run that is being resumed)."""
