@@ -174,14 +174,29 @@ def _patch(model: nn.Module, method: str, factor, replace: bool, options: dict) 
         raise
     from .export import install_save_hook  # imports this module
 
-    restore = functools.partial(run_all, [restore, install_save_hook(model)])
-    if adapter.length_attr and spec.patched_length is not None:
-        setattr(config, adapter.length_attr, spec.patched_length)
-    block = spec.to_dict()
-    if adapter.length_attr and config_before[adapter.length_attr] is _MISSING:
-        block[LENGTH_ABSENT_KEY] = True  # a reload leaves the attribute out again (take_saved_spec)
-    setattr(config, CONFIG_KEY, block)
-    setattr(model, _ACTIVE, _ActivePatch(spec, restore, config_before))
+    undo = [restore]
+    try:  # an interruption from here on (Ctrl-C, SIGTERM) must not leave a patch that unpatch cannot see
+        undo.append(install_save_hook(model))
+        if adapter.length_attr and spec.patched_length is not None:
+            setattr(config, adapter.length_attr, spec.patched_length)
+        block = spec.to_dict()
+        if adapter.length_attr and config_before[adapter.length_attr] is _MISSING:
+            block[LENGTH_ABSENT_KEY] = True  # a reload leaves the attribute out again (take_saved_spec)
+        setattr(config, CONFIG_KEY, block)
+        setattr(model, _ACTIVE, _ActivePatch(spec, functools.partial(run_all, undo), config_before))
+    except BaseException:
+        if getattr(model, _ACTIVE, None) is not None:
+            delattr(model, _ACTIVE)
+        run_all(undo)
+        for key, value in config_before.items():
+            _set_config(config, key, value)
+        if CONFIG_KEY in vars(config):
+            delattr(config, CONFIG_KEY)
+        if replaced is not None:
+            patch(model, replaced.method, replaced.factor, **replaced.options)
+        else:
+            put_back_config()
+        raise
     return model
 
 

@@ -144,8 +144,9 @@ def install_save_hook(model: nn.Module) -> Callable[[], None]:
     """Make ``model.save_pretrained`` (and ``push_to_hub``, which saves through it) write the native form of the
     active patch where one exists (else the marked checkpoint of ``ctxext.core.spec``). A bound method, so a deep copy of
     the model saves itself. Returns the undo."""
-    model.save_pretrained = types.MethodType(_save_pretrained, model)
-    return lambda: model.__dict__.pop("save_pretrained", None)
+    from .core.undo import set_on_instance
+
+    return set_on_instance(model, "save_pretrained", types.MethodType(_save_pretrained, model))
 
 
 def restore_original_tensors(model: nn.Module, pretrained: Any, block: dict[str, Any], hub_kwargs: dict) -> dict:

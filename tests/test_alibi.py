@@ -68,7 +68,13 @@ def test_interpolated_slopes_divide_distances():
 
 
 class _Layer(torch.nn.Module):
+    """An attention layer of a model the ALiBi swap patched (the function refuses any other)."""
+
     is_causal = True
+
+    def __init__(self):
+        super().__init__()
+        vars(self)[attention.ALIBI_MARK] = True
 
 
 def reference_attention(q, k, v, mask=None, q_start=None):
@@ -304,3 +310,19 @@ def test_swap_refused_clearly_where_transformers_lacks_the_attention_hook_point(
     with pytest.raises(ctxext.PatchError, match=r"AttentionInterface.*transformers 4\.53"):
         ctxext.patch(llama, "alibi")
     assert llama.config._attn_implementation == before and ctxext.describe(llama) is None
+
+
+def test_a_model_built_from_a_swapped_models_config_is_refused_not_run_with_both_encodings():
+    """The swapped model's config names ``ctxext_alibi``; a model built from it keeps its rotary positions. Run with
+    the ALiBi bias on top, it matches neither model: it is refused. The swapped model itself runs on."""
+    from transformers import LlamaForCausalLM
+
+    swapped = tiny_llama()
+    ctxext.patch(swapped, "alibi", 4)
+    ids = torch.randint(0, 100, (1, 12))
+    built = LlamaForCausalLM(swapped.config).eval()
+    with pytest.raises(RuntimeError, match="not in a model the ALiBi swap patched"):
+        built(ids)
+    swapped(ids)
+    ctxext.unpatch(swapped)
+    assert not any(attention.ALIBI_MARK in vars(m) for m in swapped.modules())

@@ -246,8 +246,11 @@ def test_alibi_function_raises_instead_of_dropping_a_feature():
     from ctxext.attention import alibi_attention_forward
 
     q = torch.randn(1, 2, 4, 8)
+    from ctxext.attention.alibi import ALIBI_MARK
+
     module = torch.nn.Module()
     module.is_causal = True
+    vars(module)[ALIBI_MARK] = True  # a layer of a swapped model
     with pytest.raises(ValueError, match="softcap"):
         alibi_attention_forward(module, q, q, q, None, softcap=30.0)
     with pytest.raises(ValueError, match="s_aux"):

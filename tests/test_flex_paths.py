@@ -22,6 +22,7 @@ import ctxext.attention as A
 import ctxext.attention.flex_functions as FF
 import ctxext.attention.flex_paths as FP
 import ctxext.attention.remap as R
+from ctxext.attention.alibi import ALIBI_MARK
 from ctxext.methods.remap import build_map
 
 pytestmark = [
@@ -87,6 +88,7 @@ def _padding_mask(lengths, q_len, kv_len):
 def _module(pmap=None, dim=16, rotary_dim=None, scale=1.0):
     module = nn.Module()
     module.is_causal = True
+    vars(module)[ALIBI_MARK] = True  # the ALiBi function runs only in a swapped model
     if pmap is not None:
         rotary_dim = rotary_dim or dim
         inv_freq = 1.0 / (500.0 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))

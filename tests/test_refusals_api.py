@@ -54,6 +54,8 @@ CASES = [
     Case("patch-linear", _linear, lambda m: ctxext.patch(m, "pi", 2), NOT_HF + r".*got Linear with no \.config"),
     Case("patch-string", lambda: "a string", lambda m: ctxext.patch(m, "pi", 2), NOT_HF + r".*got 'a string'"),
     Case("patch-none", lambda: None, lambda m: ctxext.patch(m, "pi", 2), NOT_HF + r".*got None"),
+    Case("factor-int-past-float", tiny_llama, lambda m: ctxext.patch(m, "yarn", 10**400),
+         r"factor must be a finite number >= 1, got inf"),
     Case("patch-fake-config", _FakeConfigModel, lambda m: ctxext.patch(m, "pi", 2),
          r"ctxext.patch needs a transformers model.*got _FakeConfigModel with a \.config of type Config"),
     # a patch that runs inside ctxext's attention: another implementation set afterwards would silently drop it

@@ -29,6 +29,7 @@ from ..attention import require_attention, use_attention
 from ..attention.temperature import check_temperature, use_temperature
 from ..core.errors import PatchError
 from ..core.spec import PatchSpec
+from ..core.undo import set_on_instance
 from ..methods import nope, rope
 from ..methods.declaration import Kind, Method
 from ..methods.registry import METHODS
@@ -196,8 +197,7 @@ class _PlannedGenerate:
 
 
 def _wrap_generate(model: nn.Module) -> Restore:
-    model.generate = _PlannedGenerate(model, model.generate)
-    return lambda: model.__dict__.pop("generate", None)
+    return set_on_instance(model, "generate", _PlannedGenerate(model, model.generate))
 
 
 class RotaryAdapter(Adapter):

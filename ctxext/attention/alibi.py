@@ -33,6 +33,10 @@ from . import optional_kernels
 from .flex_paths import flex_alibi, use_flex
 
 ALIBI = "ctxext_alibi"
+#: Set on every module of a model the ALiBi swap switched (``interface.use_attention``): a model built from a swapped
+#: model's config (which names this function) has rotary positions and no mark, and is refused rather than run
+#: with both.
+ALIBI_MARK = "_ctxext_alibi_swapped"
 
 #: Upper bound on the size of one chunk's materialised bias (built when a padding mask must be merged in, and on
 #: non-CPU devices, whose kernels may copy a strided mask).
@@ -90,6 +94,11 @@ def alibi_attention_forward(
     queries at a time, each chunk seeing only the keys up to its last query; with a padding mask, a chunk's bias is
     materialised (at most ``CHUNK_BYTES``) to merge the mask in.
     """
+    if not vars(module).get(ALIBI_MARK):
+        raise RuntimeError(
+            f"{ALIBI}: {type(module).__name__} is not in a model the ALiBi swap patched (a model built from a patched "
+            "model's config names this attention but keeps its own positions); patch it with ctxext.patch(model, "
+            "'alibi', ...), or build it from a config of the unpatched model")
     dropped = dropped_features(kwargs)
     if dropped:
         raise ValueError(f"ctxext_alibi cannot honour what this attention layer passes: {dropped}")
@@ -186,4 +195,4 @@ def alibi_attention_forward(
     return (out.flip(1) if q_len > 1 else out), None
 
 
-__all__ = ["ALIBI", "CHUNK_BYTES", "alibi_attention_forward"]
+__all__ = ["ALIBI", "ALIBI_MARK", "CHUNK_BYTES", "alibi_attention_forward"]

@@ -10,7 +10,7 @@ from torch import nn
 
 from ..compat import transformers as hf_compat
 from ..core.errors import PatchError
-from .alibi import ALIBI, alibi_attention_forward
+from .alibi import ALIBI, ALIBI_MARK, alibi_attention_forward
 from .features import _configs, attention_features
 
 
@@ -84,13 +84,21 @@ def use_attention(model: nn.Module, name: str = ALIBI):
     candidates = [m for m in model.modules() if callable(getattr(type(m), GUARD, None)) and GUARD not in vars(m)]
     guarded: list[nn.Module] = []
 
+    marked: list[nn.Module] = []
+
     def restore():
+        for module in marked:
+            vars(module).pop(ALIBI_MARK, None)
         for module in guarded:
             vars(module).pop(GUARD, None)
         for config, value in before:
             hf_compat.restore_attn_implementation(config, value)
 
     try:
+        if name == ALIBI:  # the function runs only inside a swapped model: not in one built from its config
+            marked[:] = [m for m in model.modules() if ALIBI_MARK not in vars(m)]
+            for module in marked:
+                vars(module)[ALIBI_MARK] = True
         type(model).set_attn_implementation(model, name)  # the class's: the instance's own is the guard below
         if hf_compat.attn_implementation(model.config) != name:
             raise PatchError(f"{type(model).__name__} refused attention implementation {name!r}")

@@ -123,9 +123,10 @@ def mpt_alibi_tensor_builder(owner) -> Callable | None:
 
 def wrap_instance_builder(owner, name: str, make: Callable) -> Callable[[], None]:
     """Replace ``owner.<name>`` (one of the builder methods above) on this instance only by ``make(original)``;
-    returns the undo, which deletes the instance attribute so the class's method shows through again."""
-    setattr(owner, name, make(getattr(owner, name)))
-    return lambda: owner.__dict__.pop(name, None)
+    returns the undo, which puts back what the instance held (or lets the class's method show through again)."""
+    from ..core.undo import set_on_instance
+
+    return set_on_instance(owner, name, make(getattr(owner, name)))
 
 
 __all__ = [

@@ -30,3 +30,19 @@ def undone_on_failure(undo: list[Restore] | None = None) -> Iterator[list[Restor
     except BaseException:
         run_all(undo)
         raise
+
+
+def set_on_instance(obj, name: str, value) -> Restore:
+    """Set ``obj.<name>`` on this instance only; the undo puts back what the instance itself held (an attribute the
+    user set stays theirs) or, where it held none, removes it so that the class's shows through again. (A flag, not
+    a sentinel object: a patched model's deep copy copies the undo's cells, and a copied sentinel is another object.)"""
+    had, held = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, value)
+
+    def undo() -> None:
+        if had:
+            vars(obj)[name] = held
+        else:
+            vars(obj).pop(name, None)
+
+    return undo

@@ -55,7 +55,10 @@ def _as_number(value: Any) -> float | None:
     if isinstance(value, bool):
         return None
     if isinstance(value, numbers.Real) and not _is_bool_like(value):
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an int past float's range (10**400): as large as a float gets, refused as not finite
+            return math.inf if value > 0 else -math.inf
     if type(value).__module__.startswith("torch") and getattr(value, "ndim", None) == 0:
         dtype = getattr(value, "dtype", None)
         if dtype is not None and (getattr(dtype, "is_complex", False) or str(dtype) == "torch.bool"):
