@@ -247,12 +247,27 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
         raise ImportError("loading an adapter needs peft: pip install 'ctxext[finetune]'") from exc
     from .core.outputs import file_damage
 
+    missing = adapter_files_missing(adapter_dir)
+    if missing:  # peft would look for them on the hub under the folder's name
+        raise FileNotFoundError(f"adapter {adapter_dir}: {missing}")
     for name in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):
         path = Path(adapter_dir) / name
         why = file_damage(path) if path.exists() else None
         if why is not None:
             raise ValueError(f"adapter {adapter_dir}: {path} is damaged ({why}); train it again or use an intact copy")
     return PeftModel.from_pretrained(prepare_for_adapter(model, adapter_dir), adapter_dir)
+
+
+def adapter_files_missing(adapter_dir: str) -> str | None:
+    """What a local peft adapter folder lacks (its config, or weights), else None."""
+    from pathlib import Path
+
+    folder = Path(adapter_dir)
+    if not (folder / "adapter_config.json").is_file():
+        return "not a LoRA adapter folder (no adapter_config.json)"
+    if not any((folder / name).is_file() for name in ("adapter_model.safetensors", "adapter_model.bin")):
+        return "no adapter weights (adapter_model.safetensors or adapter_model.bin)"
+    return None
 
 
 def prepare_for_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:

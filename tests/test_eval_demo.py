@@ -39,12 +39,15 @@ def fake_reference(tmp_path, monkeypatch):
             reference_model(name).save_pretrained(folder)
         return folder
 
+    import ctxext.reference as real_reference
+
     fake = types.ModuleType("ctxext.reference")
     fake.REFERENCE_NAMES = ("llama", "gpt2")
     fake.RETRIEVAL_NAMES = ()  # no passkey by default: its prompt does not fit these models' 32 tokens
     fake.train_length = lambda name: TRAIN
     fake.reference_model = reference_model
     fake.reference_path = reference_path
+    fake.reference_name = real_reference.reference_name  # how commands read reference:NAME (no files behind it)
     fake.reference_tokenizer = lambda name: AutoTokenizer.from_pretrained(tok_dir)
     fake.reference_text = lambda: CORPUS.read_text()
     monkeypatch.setitem(sys.modules, "ctxext.reference", fake)
@@ -83,6 +86,17 @@ def test_default_run_covers_every_fitting_method(fake_reference, tmp_path, capsy
     assert png.read_bytes()[:4] == b"\x89PNG"
     text = capsys.readouterr().out
     assert "llama (trained to 32 tokens)" in text and "gpt2 (trained to 32 tokens)" in text
+
+
+def test_demo_factor_follows_the_lengths_it_runs(fake_reference, tmp_path):
+    """As `demo --help` and `ctxext eval` say: without --factor, the longest length run / the trained length (8 at
+    the default 1x..8x; 2 for --lengths up to 2x)."""
+    out = tmp_path / "demo.json"
+    rc = main(["demo", "--no-progress", "--device", "cpu", "--max-windows", "1", "--methods", "none,pi", "--tasks",
+               "ppl", "--lengths", f"{TRAIN},{2 * TRAIN}", "--output", str(out)])
+    assert rc == 0
+    rows = [r for r in json.loads(out.read_text())["results"] if r["method"] == "pi"]
+    assert rows and {r["factor"] for r in rows} == {2.0}
 
 
 @pytest.mark.parametrize("flags, passkey_models", [

@@ -193,6 +193,29 @@ def test_a_second_run_on_the_same_output_is_refused_with_the_first_ones_pid(llam
     assert len(json.loads(out.read_text())["results"]) == 2
 
 
+def test_a_run_on_another_name_of_the_same_rows_file_waits_for_the_first(llama_dir, tmp_path, capsys):
+    """X.json and X.txt keep their rows in one X.jsonl: while a run on X.json holds its output (before its first
+    row, when the rows file names no owner yet), a run on X.txt is refused, not interleaved into the same file."""
+    code = textwrap.dedent(f"""
+        import time
+        from types import SimpleNamespace
+        from ctxext.evaluation.session import open_run
+        with open_run(SimpleNamespace(device="cpu", output={str(tmp_path / "x.json")!r}, resume=False,
+                                      overwrite=False)):
+            print("locked", flush=True)
+            time.sleep(120)
+    """)
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        line = assert_refused(["eval", "--model", llama_dir, *EVAL, "--output", tmp_path / "x.txt"], capsys,
+                              tmp_path, f"pid {holder.pid}")
+        assert "rows file" in line and "being written by another ctxext run" in line
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+
+
 def test_the_lock_is_exclusive_within_one_process_too(tmp_path):
     with OutputLock(tmp_path / "x.json"):
         with pytest.raises(ValueError, match=f"pid {os.getpid()}"):

@@ -79,6 +79,9 @@ EVAL_CASES = [
     ("length 1.5k", ["--lengths", "1.3"], "whole number"),
     ("stride too long", ["--lengths", "64", "--stride", "64"], "stride must be between 1 and length - 1"),
     ("stride 0", ["--stride", "0"], "must be >= 1"),
+    ("stride too long for the default lengths", ["--stride", "100000"], "--stride: stride must be between 1"),
+    ("method option named factor", ["--methods", "pi", "--option", "pi.factor=3"], "pi.factor: not an option"),
+    ("method option named method", ["--methods", "yarn", "--option", "yarn.method=pi"], "yarn.method: not an option"),
     ("max-windows 0", ["--max-windows", "0"], "must be >= 1"),
     ("batch-size abc", ["--batch-size", "abc"], "whole number"),
     ("protocol", ["--protocol", "rolling"], "invalid choice"),
@@ -99,11 +102,21 @@ EVAL_CASES = [
     ("model folder without config", ["--model", "OUT"], "has no config.json"),
     ("gguf file missing", ["--gguf-file", "/abs/model.gguf"], "GGUF file '/abs/model.gguf' not found"),
     ("adapter missing", ["--adapter", "OUT/adapter"], "not a LoRA adapter folder"),
+    ("adapter without weights", ["--adapter", "CONFIG_ONLY_ADAPTER"], "no adapter weights"),
 ]
 
 
-def _fill(argv, models, out):
-    values = {"MODEL": models["llama"], "GPT2": models["gpt2"], "OUT": out, "DATA": CORPUS}
+@pytest.fixture(scope="module")
+def config_only_adapter(tmp_path_factory):
+    """A LoRA folder whose weights are missing (peft would look for them on the hub under the folder's name)."""
+    folder = tmp_path_factory.mktemp("adapter")
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "target_modules": ["q_proj"]}')
+    return folder
+
+
+def _fill(argv, models, out, adapter=None):
+    values = {"MODEL": models["llama"], "GPT2": models["gpt2"], "OUT": out, "DATA": CORPUS,
+              "CONFIG_ONLY_ADAPTER": adapter}
     filled = []
     for a in argv:
         for key, value in values.items():
@@ -114,8 +127,8 @@ def _fill(argv, models, out):
 
 
 @pytest.mark.parametrize("name, argv, expect", EVAL_CASES, ids=[c[0] for c in EVAL_CASES])
-def test_eval_refuses_before_work(name, argv, expect, models, out, capsys):
-    argv = _fill(argv, models, out)
+def test_eval_refuses_before_work(name, argv, expect, models, out, capsys, config_only_adapter):
+    argv = _fill(argv, models, out, config_only_adapter)
     if "--model" not in argv:
         argv = ["--model", str(models["llama"])] + argv
     if "--data" not in argv:
@@ -182,3 +195,12 @@ def test_eval_reads_a_shipped_reference_model_by_name(name, tmp_path, capsys):
                "--methods", "none", "--max-windows", "1", "--output", str(tmp_path / "r.json")])
     assert rc == 0, capsys.readouterr().err
     assert (tmp_path / "r.json").is_file()
+
+
+def test_resume_of_a_finished_run_whose_rows_file_is_gone_is_refused(models, out, capsys):
+    """--resume continues from the rows file (it checks model, data and plan there): without it, a resume of another
+    run would replace the finished results."""
+    (out / "r.jsonl").unlink()
+    assert_refused(["eval", "--no-progress", "--device", "cpu", "--model", str(models["gpt2"]), "--data", str(CORPUS),
+                    "--lengths", "32", "--methods", "none", "--output", str(out / "r.json"), "--resume"], capsys, out,
+                   "its rows file")

@@ -156,3 +156,24 @@ def test_a_checkpoint_saved_patched_is_refused_before_loading(model_dir, tmp_pat
     _no_weights(monkeypatch)
     assert main(_args(exported, tmp_path / "search")) == 2
     assert "saved from a model patched by ctxext (ntk x4" in capsys.readouterr().err
+
+
+def test_resume_refuses_other_calibration_text_at_the_same_path(model_dir, tmp_path, capsys):
+    """The scores in the log are of the text scored: another text under the same --data path (same token count
+    here, which the settings alone would not tell apart) is refused on --resume."""
+    from ctxext.loading import auto_tokenizer
+
+    from ctxext.reference import reference_text
+
+    sentences = [s.strip() for s in reference_text()[:20000].split(".") if len(s.strip()) > 20][:120]
+    first, second = "\n".join(sentences), "\n".join(reversed(sentences))
+    tokenizer = auto_tokenizer(str(model_dir))
+    assert len(tokenizer(first)["input_ids"]) == len(tokenizer(second)["input_ids"])  # the case the count misses
+    data, out = tmp_path / "cal.txt", tmp_path / "search"
+    data.write_text(first)
+    assert main(_args(model_dir, out, "--data", str(data))) == 0
+    assert main(_args(model_dir, out, "--data", str(data), "--resume")) == 0  # the same text: resumed
+    capsys.readouterr()
+    data.write_text(second)
+    assert main(_args(model_dir, out, "--data", str(data), "--resume")) == 2
+    assert "calibration text" in capsys.readouterr().err

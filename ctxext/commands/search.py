@@ -12,6 +12,7 @@ before the model's weights load; the folder is refused if it exists, unless ``--
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 
@@ -101,7 +102,8 @@ def run_search(args) -> int:
     _check_unpatched(args.model, load_config(source, **kwargs))
     check_search(model_skeleton(source, **kwargs), tokens, settings, args.max_windows)  # before the weights load
     describe = {"model": args.model, "gguf_file": args.gguf_file, "data": data_label, "dtype": args.dtype,
-                "model_files": model_fingerprint({"model": source, "gguf_file": args.gguf_file})}
+                "model_files": model_fingerprint({"model": source, "gguf_file": args.gguf_file}),
+                "data_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}  # the text scored, as tokens
     with OutputLock(out, "--out"):  # one writer, from before the load to the checkpoint's move into place
         _check_out(out, source, args.resume, args.overwrite)  # again: another run may have written it meanwhile
         result = _search_into(args, out, source, dtype, kwargs, tokens, settings, tokenizer, describe)

@@ -6,7 +6,7 @@ from typing import Any
 
 from .data import Texts
 from ..loading import model_skeleton
-from .runner import DEFAULT_MULTIPLES, PASSKEY_ASKED, PASSKEY_NOT, PASSKEY_WHERE_IT_FITS, ModelJob
+from .runner import PASSKEY_ASKED, PASSKEY_NOT, PASSKEY_WHERE_IT_FITS, ModelJob
 
 #: Tokens fed per (model, method, length) in the default run (64 windows at 1x ... 8 at 8x): the same
 #: compute and the same number of scored tokens at every length, about 1.5 minutes in all on 2 idle CPU cores.
@@ -30,7 +30,7 @@ def reference_texts() -> Texts:
 def demo_jobs(texts: Texts | None = None, *, factor: float | None = None, dtype: str | None = None,
               device: str = "cpu", passkey_where_trained: bool = False) -> list[ModelJob]:
     """One job per reference model (LLaMA / GPT-2 / BLOOM families); without ``factor``, each at the factor of
-    its longest default length. With ``passkey_where_trained`` (the demo's default passkey), passkey runs only on
+    the longest length it runs (8 at the default lengths, 1x to 8x its trained length), as ``ctxext eval``. With ``passkey_where_trained`` (the demo's default passkey), passkey runs only on
     the references trained to retrieve, at the lengths its prompt fits: the others score 0% even at their trained
     length, and would cost the default run about a minute to show it."""
     ref = _reference()
@@ -56,7 +56,7 @@ def demo_jobs(texts: Texts | None = None, *, factor: float | None = None, dtype:
         jobs.append(ModelJob(
             label=name, load_tokenizer=lambda name=name: ref.reference_tokenizer(name), load_model=loader(name),
             load_skeleton=lambda name=name: model_skeleton(str(ref.reference_path(name))),
-            texts=texts, factor=factor if factor is not None else float(max(DEFAULT_MULTIPLES)), info=info,
+            texts=texts, factor=factor, info=info,  # None: the longest length run / the trained length, as eval
             passkey=PASSKEY_ASKED if not passkey_where_trained else
             PASSKEY_WHERE_IT_FITS if name in ref.RETRIEVAL_NAMES else PASSKEY_NOT,
         ))

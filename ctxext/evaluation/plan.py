@@ -20,7 +20,7 @@ from .passkey import DEFAULT_DEPTHS
 from .preflight import check_evaluator_tokenizer, check_fit, check_key_tokens
 from .requests import MethodChoice, parse_factor
 from .results import check_file_target, check_output, jsonl_path, recorded_pictures
-from .runner import PASSKEY_ASKED, PASSKEY_NOT, ModelJob, Settings
+from .runner import PASSKEY_ASKED, PASSKEY_NOT, ModelJob, Settings, default_lengths
 from ..reference import model_source, reference_name
 from .tasks import PASSKEY, PPL, parse_tasks
 from .windows import PROTOCOLS, check_protocol
@@ -227,6 +227,14 @@ def plan_eval(args) -> EvalPlan:
         texts = texts or reference_texts()
         jobs = [_model_job(args, device, texts)]
     originals = check_fit(jobs, methods, args.lengths)  # lengths None: each model at 1x..8x its own original length
+    if not args.lengths:  # the default lengths are known only now: a --stride too long for one of them
+        for label, original in originals.items():
+            for length in default_lengths(original) if original else ():
+                try:
+                    check_protocol(args.protocol, length, args.stride)
+                except ValueError as exc:
+                    raise ValueError(f"--stride: {exc} ({label}'s default lengths: "
+                                     f"{', '.join(map(str, default_lengths(original)))}; give --lengths)") from None
     if args.key_tokens:
         check_key_tokens(originals, context=args.key_context, short=args.key_short, evaluator=args.evaluator)
         if args.evaluator and not demo:
@@ -299,8 +307,11 @@ def _check_sources(args) -> None:
     check_source(args.model, gguf_file=args.gguf_file, what="--model")
     if args.evaluator:
         check_source(args.evaluator, what="--evaluator")
-    if args.adapter is not None and not (Path(args.adapter) / "adapter_config.json").is_file():
-        raise FileNotFoundError(f"--adapter {args.adapter}: not a LoRA adapter folder (no adapter_config.json)")
+    from ..loading import adapter_files_missing
+
+    missing = adapter_files_missing(args.adapter) if args.adapter is not None else None
+    if missing:
+        raise FileNotFoundError(f"--adapter {args.adapter}: {missing}")
 
 
 def _model_job(args, device: str, texts: Texts) -> ModelJob:

@@ -112,7 +112,12 @@ def parse_methods(
                 f = factor
             opts = {k: v for k, v in by_method.get(None, {}).items() if k in accepted_options(info)}
             used_global.update(opts)
-            opts.update(by_method.get(info.name, {}))
+            own_options = by_method.get(info.name, {})
+            clash = sorted(k for k in own_options if k in ("factor", "method", "model"))
+            if clash:  # names of the patch call itself, not options
+                raise ValueError(f"{info.name}.{clash[0]}: not an option of {info.name!r}; give a factor as "
+                                 f"{info.name}:F in --methods or with --factor, the method in --methods")
+            opts.update(own_options)
             req = MethodRequest(info.name, f, opts)
         if req in requests:
             continue

@@ -217,6 +217,12 @@ def check_output(output: str | os.PathLike, *, resume: bool, overwrite: bool, fl
                 f"{flag} {output} holds a finished run ({rows} row{'s' if rows != 1 else ''}); pass --resume to "
                 f"continue it, --overwrite to replace it, or choose another {flag}"
             )
+    elif resume and not (jsonl.is_file() and jsonl.stat().st_size) and finished_rows(out):
+        # a resume reads the rows file (and its header: model, data, plan); without it, it would replace the results
+        raise ValueError(
+            f"--resume: {flag} {output} holds a finished run, but its rows file {jsonl} is missing or empty, and a "
+            f"resume continues from that file (it checks the model, data and plan there); restore it, or pass "
+            f"--overwrite to replace the results, or choose another {flag}")
 
 
 def _atomic_write(path: Path, text: str) -> None:

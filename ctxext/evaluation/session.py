@@ -13,7 +13,7 @@ from typing import Any, Iterator
 from ..core.outputs import OutputLock
 from .device import make_state
 from .report import results_document
-from .results import ResultStore, check_output
+from .results import ResultStore, check_output, jsonl_path
 from .runner import Outcome, Runner
 
 
@@ -37,6 +37,8 @@ def open_run(plan) -> Iterator[Any]:
     with contextlib.ExitStack() as stack:
         if state.is_main_process:
             stack.enter_context(OutputLock(plan.output, "--output"))
+            # X.json and X.txt keep their rows in one X.jsonl: a run on the other name must wait for this one too
+            stack.enter_context(OutputLock(jsonl_path(plan.output), "the rows file of --output"))
             check_output(plan.output, resume=plan.resume, overwrite=plan.overwrite)  # again: another run may have ended
         yield state
 

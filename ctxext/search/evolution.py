@@ -93,6 +93,12 @@ class ScoreLog:
                 raise ValueError(f"cannot resume {self.path}: the model at {header['settings'].get('model')} is not "
                                  "the one the search began with (its config.json or weight files differ); start over "
                                  "with --overwrite")
+            logged_data = (first.get("settings") or {}).get("data_sha256")
+            data = (header.get("settings") or {}).get("data_sha256")
+            if logged_data is not None and data is not None and logged_data != data:  # the scores are of that text
+                raise ValueError(f"cannot resume {self.path}: the calibration text {header['settings'].get('data')} "
+                                 "is not the one the search began with (its tokens differ); resume with the same "
+                                 "--data, or start over with --overwrite")
             for line in lines[1:]:
                 try:
                     rec = json.loads(line)
@@ -126,7 +132,8 @@ def _comparable(settings: Any) -> Any:
     if not isinstance(settings, dict):
         return settings
     search = {k: v for k, v in (settings.get("search") or {}).items() if k not in ("budget", "minutes")}
-    rest = {k: v for k, v in settings.items() if k != "model_files"}  # compared on its own (older logs lack it)
+    rest = {k: v for k, v in settings.items() if k not in ("model_files", "data_sha256")}  # compared on their own
+    # (older logs lack them)
     return {**rest, "search": search}
 
 
