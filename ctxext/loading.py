@@ -247,7 +247,7 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
         raise ImportError("loading an adapter needs peft: pip install 'ctxext[finetune]'") from exc
     from .core.outputs import file_damage
 
-    missing = adapter_files_missing(adapter_dir)
+    missing = adapter_files_missing(adapter_dir) if Path(adapter_dir).is_dir() else None  # else a hub id: peft's
     if missing:  # peft would look for them on the hub under the folder's name
         raise FileNotFoundError(f"adapter {adapter_dir}: {missing}")
     for name in ("adapter_config.json", "adapter_model.safetensors", "adapter_model.bin"):

@@ -225,3 +225,16 @@ def test_verdict_names_a_method_that_misses_under_passkey_and_tasks_once():
     assert sentence.count("streaming-llm holds perplexity") == 1
     assert sentence.endswith(
         "streaming-llm holds perplexity (x0.97) but retrieves 10% (passkey), 0% (average of 2 tasks) at 400 = 4x")
+
+
+def test_verdict_names_the_measure_a_method_misses_when_both_ran():
+    """A method that misses only under passkey, with the task sentence between: its clause says which measure."""
+    rows, models = _rows()
+    for r in rows:
+        if r["kind"] != "ppl" and r["label"] == "streaming-llm":
+            r["accuracy"] = 0.6  # retrieves on the tasks
+    rows += [{"kind": "passkey", "model": "m", "label": lab, "length": n, "accuracy": a}
+             for lab, n, a in (("none", 100, 1.0), ("none", 400, 0.0), ("yarn", 400, 0.8),
+                               ("streaming-llm", 400, 0.1))]
+    [sentence] = verdicts(rows, models)
+    assert sentence.endswith("streaming-llm holds perplexity (x0.97) but retrieves 10% (passkey) at 400 = 4x")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 pytest.importorskip("peft")
@@ -343,12 +344,15 @@ def test_overwrite_removes_only_the_folders_trainer_and_ctxext_write(bases, tmp_
     assert not (out / "damaged-checkpoint-9").exists()
 
 
-@pytest.mark.parametrize("arg", ["save_only_model", "ignore_data_skip", "eval_on_start", "load_best_model_at_end"])
+@pytest.mark.parametrize("arg", ["save_only_model", "ignore_data_skip", "eval_on_start", "load_best_model_at_end",
+                                 "eval_strategy"])
 def test_train_args_that_would_break_resume_or_need_an_evaluation_set_are_refused(bases, tmp_path, arg):
     """A checkpoint without the optimizer, or a resume that does not skip the batches already trained, would make
-    --resume silently differ from an uninterrupted run; Trainer gets no evaluation set to evaluate or pick by."""
-    with pytest.raises(RecipeError, match=f"train.args.{arg}: set by"):
+    --resume silently differ from an uninterrupted run; Trainer gets no evaluation set to evaluate or pick by. Their
+    defaults (a recipe may spell them out) are taken."""
+    with pytest.raises(RecipeError, match=f"train.args.{arg}: only its default"):
         recipe_from_dict(quick(bases, tmp_path / "o", train={"args": {arg: True}}))
+    recipe_from_dict(quick(bases, tmp_path / "o", train={"args": {arg: "no" if arg == "eval_strategy" else False}}))
 
 
 def test_an_eval_stride_past_the_training_length_is_refused_before_training(bases, tmp_path):
@@ -374,3 +378,28 @@ def test_resume_asking_a_merged_model_of_a_finished_run_says_it_is_not_written(b
     with pytest.raises(RecipeError, match="finished without a merged model"):
         run(recipe_from_dict(quick(bases, out, output={"merged": True})), resume=True, progress=False)
     assert _snapshot(out) == before
+
+
+def test_a_fresh_run_that_fails_to_start_leaves_no_folder(bases, tmp_path, monkeypatch):
+    """Trainer makes output.dir when it is built; a run that then fails before its first step removes it again."""
+    import transformers
+
+    out = tmp_path / "new" / "run"
+
+    def refuse(*args, **kwargs):
+        raise ValueError("refused by Trainer")
+
+    monkeypatch.setattr(transformers.Trainer, "create_optimizer", refuse)
+    with pytest.raises(ValueError, match="refused by Trainer"):
+        run(recipe_from_dict(quick(bases, out)), progress=False)
+    assert not out.exists()
+
+
+def test_an_adapter_named_by_hub_id_goes_to_peft(monkeypatch):
+    """Only a local folder is checked for its files: a hub id is peft's to fetch."""
+    import peft
+
+    from ctxext.loading import load_adapter
+
+    monkeypatch.setattr(peft.PeftModel, "from_pretrained", classmethod(lambda cls, model, name, **kw: ("peft", name)))
+    assert load_adapter(torch.nn.Linear(2, 2), "someone/some-lora") == ("peft", "someone/some-lora")

@@ -111,3 +111,4 @@ def test_unpatch_puts_back_the_users_own_instance_methods():
     assert model.generate.__class__.__name__ != "method"
     ctxext.unpatch(model)
     assert model.save_pretrained() == "mine" and model.generate() == "mine too"
+

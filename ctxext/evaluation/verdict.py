@@ -152,15 +152,16 @@ def _retrieval_sentence(acc: dict[tuple[str, int], float], what: str, short: str
     return sentence, misses
 
 
-def _misses_sentence(misses: list[tuple[str, str, float, float, str]]) -> list[str]:
+def _misses_sentence(misses: list[tuple[str, str, float, float, str]], labelled: bool) -> list[str]:
     """One clause per method and length that holds perplexity but misses: passkey's and the tasks' misses of one
-    method are named together ("retrieves 10% (passkey), 0% (niah)"), not as two clauses."""
+    method are named together ("retrieves 10% (passkey), 0% (niah)"), not as two clauses. ``labelled`` (both
+    measures ran): every score names its measure, as the clauses follow both sentences."""
     grouped: dict[tuple[str, str], list[tuple[float, float, str]]] = {}
     for lab, at, ratio, a, short in misses:
         grouped.setdefault((lab, at), []).append((ratio, a, short))
     clauses = []
     for (lab, at), found in grouped.items():
-        scores = (_percent(found[0][1]) if len(found) == 1
+        scores = (_percent(found[0][1]) if len(found) == 1 and not labelled
                   else ", ".join(f"{_percent(a)} ({short})" for _, a, short in found))
         clauses.append(f"{lab} holds perplexity (x{found[0][0]:.2f}) but retrieves {scores} {at}")
     return clauses
@@ -184,7 +185,8 @@ def verdicts(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]]) -
                                                    [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
         retrieval, task_misses = _retrieval_verdict([r for r in mine if r.get("kind") not in ("ppl", "passkey")],
                                                     [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
-        for extra in (passkey, retrieval, *_misses_sentence(passkey_misses + task_misses)):
+        both = passkey is not None and retrieval is not None
+        for extra in (passkey, retrieval, *_misses_sentence(passkey_misses + task_misses, labelled=both)):
             if extra and sentence:
                 sentence += f"; {extra}"
             elif extra:

@@ -758,12 +758,16 @@ OWNED = {
     "save_total_limit": "train.keep_checkpoints", "use_cpu": "train.cpu", "resume_from_checkpoint": "--resume",
     "disable_tqdm": "--no-progress", "logging_nan_inf_filter": "ctxext (a non-finite loss stops the run)",
     "remove_unused_columns": "ctxext (its examples hold only model inputs)",
-    "save_only_model": "ctxext (a checkpoint keeps the optimizer and the schedule, so --resume continues the run "
-                       "exactly)",
-    "ignore_data_skip": "ctxext (--resume skips the batches already trained, so the run equals an uninterrupted one)",
-    "eval_strategy": "eval (ctxext evaluates before and after training; Trainer gets no evaluation set)",
-    "eval_on_start": "eval (ctxext evaluates before and after training; Trainer gets no evaluation set)",
-    "load_best_model_at_end": "eval (Trainer gets no evaluation set to pick a best checkpoint by)",
+}
+#: TrainingArguments fields train.args may give only at their default: another value would make --resume differ from
+#: an uninterrupted run, or needs an evaluation set Trainer does not get (ctxext evaluates with ``eval:``)
+DEFAULT_ONLY = {
+    "save_only_model": "a checkpoint must keep the optimizer and the schedule, so that --resume continues the run "
+                       "exactly",
+    "ignore_data_skip": "--resume skips the batches already trained, so that the run equals an uninterrupted one",
+    "eval_strategy": "ctxext evaluates before and after training (eval:); Trainer gets no evaluation set",
+    "eval_on_start": "ctxext evaluates before and after training (eval:); Trainer gets no evaluation set",
+    "load_best_model_at_end": "Trainer gets no evaluation set to pick a best checkpoint by",
 }
 
 
@@ -778,6 +782,7 @@ def training_argument_fields() -> set[str]:
 def check_args(args: dict, err) -> None:
     """train.args: every key a TrainingArguments field that no recipe key already sets, with a value of the field's
     type (TrainingArguments takes any value and fails on it mid-run: ``label_smoothing_factor: abc``)."""
+    import dataclasses
     import typing
 
     from transformers import TrainingArguments
@@ -787,9 +792,14 @@ def check_args(args: dict, err) -> None:
         hints = typing.get_type_hints(TrainingArguments)
     except Exception:  # noqa: BLE001 - a release whose annotations do not resolve: types left to transformers
         hints = {}
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainingArguments)}
     for key, value in args.items():
         if key in OWNED:
             err(f"train.args.{key}: set by {OWNED[key]}", f"train.args.{key}")
+        elif key in DEFAULT_ONLY and str(value).lower() != str(getattr(defaults.get(key), "value",
+                                                                          defaults.get(key))).lower():
+            err(f"train.args.{key}: only its default, {getattr(defaults.get(key), 'value', defaults.get(key))!r}, "
+                f"is taken: {DEFAULT_ONLY[key]}", f"train.args.{key}")
         elif key not in fields:  # a field of another transformers release is named as such
             err(f"train.args.{key}: not a transformers.TrainingArguments field (transformers "
                 f"{_transformers_version()})", f"train.args.{key}")

@@ -64,8 +64,8 @@ def load_model(cfg: ModelConfig) -> nn.Module:
 
 
 def _import_error(cfg: ModelConfig, exc: ImportError) -> RecipeError:
-    key = "model.attn_implementation" if cfg.attn_implementation else "model.name"
-    return RecipeError(f"{key}: {' '.join(str(exc).split())}")
+    how = f" with model.attn_implementation {cfg.attn_implementation!r}" if cfg.attn_implementation else ""
+    return RecipeError(f"model.name {cfg.name!r} cannot load{how}: {' '.join(str(exc).split())}")
 
 
 def skeleton(cfg: ModelConfig) -> nn.Module | None:

@@ -333,6 +333,14 @@ def check_output_folder(recipe: Recipe) -> None:
         raise recipe.error(str(exc)) from None
 
 
+def _remove_if_made(out: Path, existed: bool) -> None:
+    """``out`` as an empty folder Trainer made for a run that then failed to start: removed (main process)."""
+    from accelerate import PartialState
+
+    if not existed and PartialState().is_main_process and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+
+
 def _clear_run(out: Path) -> None:
     """Remove an earlier run from ``out`` (--overwrite): its checkpoints and every file in RUN_FILES."""
     import shutil
@@ -492,12 +500,14 @@ def run(
         state.wait_for_everyone()
 
     callback = RunCallback(recipe, record, log, tokens_per_step, stop_after, beside, begin=begin)
+    existed = out.exists()
     try:
         trainer = RunTrainer(model=model, args=args, train_dataset=RunSamples(data, t.steps * t.batch_size),
                              data_collator=default_data_collator, callbacks=[callback])
     except Exception as exc:  # noqa: BLE001 - whatever Trainer refuses (an offline push_to_hub, a missing package)
-        raise RecipeError(f"train.args: transformers' Trainer refused them: {type(exc).__name__}: "
-                          f"{(str(exc).splitlines() or [''])[0]}") from None
+        _remove_if_made(out, existed)  # Trainer makes output.dir first: a fresh run leaves no empty folder
+        raise RecipeError(f"transformers' Trainer refused the training settings (train keys and train.args): "
+                          f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}") from None
     from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
     for printing in (PrinterCallback, ProgressCallback):  # the step records go to log.jsonl, not stdout
@@ -511,6 +521,10 @@ def run(
     undo_shift = enable_shift_attention(model, t.shift_group_ratio) if t.shift_attention else None
     try:
         trainer.train(resume_from_checkpoint=str(latest) if latest is not None else None)
+    except BaseException:
+        if callback.begin is not None:  # failed before its first step: nothing of this run is in output.dir
+            _remove_if_made(out, existed)
+        raise
     finally:
         if undo_shift is not None:
             undo_shift()
