@@ -142,3 +142,17 @@ def test_logits_after_the_output_layer_are_respected():
     res = perplexity(model, ids, 32, protocol="sliding", stride=8, progress=False)
     nlls = _brute_force(model, ids, plan_windows(70, 32, "sliding", 8))
     assert res["nll_sum"] == pytest.approx(sum(n for n, _ in nlls), rel=1e-5)
+
+
+@pytest.mark.parametrize("text, key, right", [
+    (" 12345.", 12345, True),
+    ("The pass key is 12345", 12345, True),
+    (" 012345", 12345, False),  # another number, though int() reads it as the key
+    (" 123456", 12345, False),  # the key is a prefix of it
+    (" 1234", 12345, False),
+    (" no number", 12345, False),
+])
+def test_a_passkey_answer_is_right_only_when_it_writes_the_key(text, key, right):
+    from ctxext.evaluation.passkey import first_number
+
+    assert (first_number(text) == key) is right

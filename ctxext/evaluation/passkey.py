@@ -69,8 +69,12 @@ def _answer_tokens(tokenizer) -> int:
 
 
 def first_number(text: str) -> int | None:
+    """The first number written in ``text``, as the integer it spells; None where there is none, or where it is not
+    written as that integer is (``012345`` is not the key 12345: keys are drawn without leading zeros)."""
     match = re.search(r"\d+", text)
-    return int(match.group()) if match else None
+    if match is None or match.group() != str(int(match.group())):
+        return None
+    return int(match.group())
 
 
 @torch.no_grad()

@@ -2,8 +2,9 @@
 
 Every window holds exactly ``length`` tokens ``ids[begin:begin + length]``; it scores the targets
 ``first_target .. begin + length - 1`` (target ``t`` is predicted from the logits at ``t - 1``).
-Across a document's windows each target from position 1 on is scored exactly once. The last window
-is aligned to the document's end, so it is full length too and scores only what is left.
+Across a document's windows each target is scored at most once: with ``chunks`` every one from position 1
+on, with ``sliding`` every one from position ``length - stride`` on. The last window is aligned to the
+document's end, so it is full length too and scores only what is left.
 
 - ``sliding`` (the YaRN paper's evaluation, after Press et al.): windows move by ``stride`` and score
   only tokens the previous window did not; the first window scores only positions >= length - stride,
