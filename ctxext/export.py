@@ -205,6 +205,26 @@ def check_rebuilt_tensors(model: nn.Module, as_loaded: dict[str, Any], pretraine
                     "AutoModelForCausalLM.from_pretrained, which reads it as saved")
 
 
+def check_rebuilt_config(model: nn.Module, saved: dict[str, Any], pretrained: Any) -> None:
+    """After the saved patch is applied again to a natively exported checkpoint: the config values its native form
+    writes (rope parameters, the advertised length) must be the ones in ``config.json``. They differ where the file
+    was edited after the export (a factor changed by hand); re-applying the recorded patch would then load another
+    model than the one plain transformers loads, silently."""
+    from .core.active import describe
+
+    try:
+        changes = native_form(model).changes
+    except NoNativeForm:
+        return
+    for key, value in changes.items():
+        if key in saved and json.loads(json.dumps(value)) != saved[key]:
+            raise OSError(
+                f"{pretrained}: config.json's {key} ({saved[key]!r}) is not what the recorded {describe(model)['method']!r} "
+                f"patch writes ({value!r}): the config was changed after its export, and applying the recorded patch "
+                "would load another model. Load it with AutoModelForCausalLM.from_pretrained, which reads it as "
+                "saved, or export again")
+
+
 # -- the export command's work -------------------------------------------------------------------------------------
 
 

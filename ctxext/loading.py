@@ -191,6 +191,10 @@ def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: An
             from .export import check_rebuilt_tensors
 
             check_rebuilt_tensors(model, as_loaded, pretrained)
+        if saved is not None and is_native(saved):
+            from .export import check_rebuilt_config
+
+            check_rebuilt_config(model, saved, pretrained)
     if adapter is not None:
         model = load_adapter(model, adapter)
     return model

@@ -220,6 +220,22 @@ def test_a_native_export_changed_after_it_was_written_is_not_silently_repatched(
                                plain.eval()(ids).logits, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("method", ["yarn", "llama3"])
+def test_a_native_export_whose_config_was_edited_is_not_silently_repatched(tmp_path, method):
+    """config.json's rope parameters edited by hand after the export (yarn x4 -> x8): plain transformers loads the
+    edited model, and re-applying the recorded patch would load another one. ctxext refuses, naming the plain load."""
+    model = tiny_llama()
+    ctxext.patch(model, method, 4)
+    model.save_pretrained(tmp_path)
+    assert ctxext.describe(ctxext.from_pretrained(tmp_path))["factor"] == 4.0  # untouched: reloads patched
+    config = json.loads((tmp_path / "config.json").read_text())
+    rope = "rope_parameters" if "rope_parameters" in config else "rope_scaling"
+    config[rope]["factor"] = 8.0
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(OSError, match=f"config.json's {rope}.*changed after its export.*AutoModelForCausalLM"):
+        ctxext.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_a_half_precision_gpt2_export_reloads_in_float32(tmp_path, dtype):
     """The saved table is rounded to the export's dtype: the check against the rebuilt one allows that rounding."""

@@ -28,7 +28,11 @@ def models(tmp_path_factory):
     empty.mkdir()
     not_adapter = root / "not_adapter"
     not_adapter.mkdir()
+    no_tokenizer = save_tiny_llama(root / "no_tokenizer")  # as model.save_pretrained leaves it: no tokenizer files
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        (no_tokenizer / name).unlink(missing_ok=True)
     return {
+        "NO_TOKENIZER": str(no_tokenizer),
         "LLAMA": str(save_tiny_llama(root / "llama")),
         "GPT2": str(save_tiny_gpt2(root / "gpt2")),
         "EMPTY": str(empty),
@@ -73,6 +77,7 @@ CASES = [
     ("hub-id-offline", "pretrained=ctxext-test/no-such-model,method=pi,factor=2", [], "HF_HUB_OFFLINE"),
     ("adapter-missing", "pretrained=LLAMA,adapter=MISSING", [], "adapter: folder not found"),
     ("adapter-not-an-adapter", "pretrained=LLAMA,adapter=NOT_ADAPTER", [], "adapter_config.json"),
+    ("folder-without-tokenizer", "pretrained=NO_TOKENIZER,method=pi,factor=2", [], "holds no tokenizer"),
     ("method-does-not-fit-family", "pretrained=GPT2,method=ntk,factor=2", [], "does not fit"),
     ("tasks-missing", "pretrained=LLAMA,method=pi,factor=2", None, "--tasks is required"),
     ("include-path-missing", "pretrained=LLAMA", ["--include_path", "MISSING"], "--include_path"),

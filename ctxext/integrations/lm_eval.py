@@ -92,6 +92,7 @@ def check_model_args(model_args: Mapping[str, Any]) -> dict[str, Any]:
     checked = _check_patch(args.get("method"), args.get("factor"), {k: args[k] for k in args if k in OPTION_NAMES})
     if local:
         _check_pretrained(args)
+        _check_tokenizer(args)
     adapter = args.get("adapter")
     if adapter is not None:
         folder = Path(str(adapter)).expanduser()
@@ -108,6 +109,24 @@ def _check_pretrained(args: Mapping[str, Any]) -> None:
     revision = args.get("revision")
     check_source(args["pretrained"], gguf_file=args.get("gguf_file") or None,
                  revision=None if revision is None else str(revision), what="pretrained")
+
+
+#: Files from which transformers builds a tokenizer (one is enough)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def _check_tokenizer(args: Mapping[str, Any]) -> None:
+    """A local model folder without a tokenizer (``model.save_pretrained`` writes none) and no ``tokenizer=``: said
+    before the model loads, not as a backend error after it."""
+    folder = Path(str(args["pretrained"])).expanduser()
+    if args.get("tokenizer") or args.get("gguf_file") or not folder.is_dir():
+        return
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"pretrained: {args['pretrained']} holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...; "
+            "model.save_pretrained writes none): pass tokenizer=FOLDER_OR_HUB_ID in model_args, or save the "
+            "tokenizer beside the model")
 
 
 def check_model_args_items(items: Iterable[str]) -> None:
