@@ -262,6 +262,19 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
     return PeftModel.from_pretrained(prepare_for_adapter(model, adapter_dir), adapter_dir)
 
 
+#: Files from which transformers builds a tokenizer (one is enough)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model")
+
+
+def lacks_tokenizer(folder: str | os.PathLike) -> bool:
+    """A local model folder with no tokenizer file (``model.save_pretrained`` writes none)."""
+    from pathlib import Path
+
+    folder = Path(folder).expanduser()
+    return folder.is_dir() and not any((folder / name).is_file() for name in TOKENIZER_FILES)
+
+
 def adapter_files_missing(adapter_dir: str) -> str | None:
     """What a local peft adapter folder lacks (its config, or weights), else None."""
     from pathlib import Path

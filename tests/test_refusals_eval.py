@@ -20,7 +20,11 @@ from ctxext.cli import main
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
-    return {"llama": save_tiny_llama(root / "llama"), "gpt2": save_tiny_gpt2(root / "gpt2")}
+    no_tokenizer = save_tiny_llama(root / "no_tokenizer")  # as model.save_pretrained leaves it: no tokenizer files
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"):
+        (no_tokenizer / name).unlink(missing_ok=True)
+    return {"llama": save_tiny_llama(root / "llama"), "gpt2": save_tiny_gpt2(root / "gpt2"),
+            "no_tokenizer": no_tokenizer}
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +107,7 @@ EVAL_CASES = [
     ("gguf file missing", ["--gguf-file", "/abs/model.gguf"], "GGUF file '/abs/model.gguf' not found"),
     ("adapter missing", ["--adapter", "OUT/adapter"], "not a LoRA adapter folder"),
     ("adapter without weights", ["--adapter", "CONFIG_ONLY_ADAPTER"], "no adapter weights"),
+    ("model folder without a tokenizer", ["--model", "NO_TOKENIZER"], "holds no tokenizer"),
 ]
 
 
@@ -115,7 +120,8 @@ def config_only_adapter(tmp_path_factory):
 
 
 def _fill(argv, models, out, adapter=None):
-    values = {"MODEL": models["llama"], "GPT2": models["gpt2"], "OUT": out, "DATA": CORPUS,
+    values = {"MODEL": models["llama"], "GPT2": models["gpt2"], "NO_TOKENIZER": models["no_tokenizer"], "OUT": out,
+              "DATA": CORPUS,
               "CONFIG_ONLY_ADAPTER": adapter}
     filled = []
     for a in argv:

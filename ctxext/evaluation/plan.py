@@ -307,7 +307,12 @@ def _check_sources(args) -> None:
     check_source(args.model, gguf_file=args.gguf_file, what="--model")
     if args.evaluator:
         check_source(args.evaluator, what="--evaluator")
-    from ..loading import adapter_files_missing
+    from ..loading import TOKENIZER_FILES, adapter_files_missing, lacks_tokenizer
+
+    if not args.gguf_file and lacks_tokenizer(model_source(args.model)):
+        raise FileNotFoundError(f"--model {args.model} holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...; "
+                                "model.save_pretrained writes none): save the model's tokenizer beside it "
+                                "(tokenizer.save_pretrained(DIR))")
 
     missing = adapter_files_missing(args.adapter) if args.adapter is not None else None
     if missing:

@@ -111,18 +111,12 @@ def _check_pretrained(args: Mapping[str, Any]) -> None:
                  revision=None if revision is None else str(revision), what="pretrained")
 
 
-#: Files from which transformers builds a tokenizer (one is enough)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
-                   "spiece.model")
-
-
 def _check_tokenizer(args: Mapping[str, Any]) -> None:
     """A local model folder without a tokenizer (``model.save_pretrained`` writes none) and no ``tokenizer=``: said
     before the model loads, not as a backend error after it."""
-    folder = Path(str(args["pretrained"])).expanduser()
-    if args.get("tokenizer") or args.get("gguf_file") or not folder.is_dir():
-        return
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    from ..loading import TOKENIZER_FILES, lacks_tokenizer
+
+    if not (args.get("tokenizer") or args.get("gguf_file")) and lacks_tokenizer(str(args["pretrained"])):
         raise FileNotFoundError(
             f"pretrained: {args['pretrained']} holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...; "
             "model.save_pretrained writes none): pass tokenizer=FOLDER_OR_HUB_ID in model_args, or save the "
