@@ -95,13 +95,14 @@ def check_model_args(model_args: Mapping[str, Any]) -> dict[str, Any]:
         _check_tokenizer(args)
     adapter = args.get("adapter")
     if adapter is not None:
+        from ..loading import adapter_files_missing
+
         folder = Path(str(adapter)).expanduser()
         if not folder.is_dir():
             raise FileNotFoundError(f"adapter: folder not found: {adapter} (a folder saved by `ctxext finetune`)")
-        if not (folder / "adapter_config.json").is_file():
-            raise FileNotFoundError(
-                f"adapter: {adapter} has no adapter_config.json (a folder saved by `ctxext finetune`)"
-            )
+        missing = adapter_files_missing(str(folder))  # the check ctxext eval and ctxext.from_pretrained make
+        if missing:
+            raise FileNotFoundError(f"adapter: {adapter}: {missing} (a folder saved by `ctxext finetune`)")
     return checked
 
 
