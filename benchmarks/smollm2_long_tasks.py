@@ -9,7 +9,7 @@ niah_single_3,niah_multikey_1,vt,cwe --key-tokens`` on the bundled held-out book
 method that fits the model unless ``--methods`` names some, factor = longest length / 8192. It writes ``OUT.json``
 (+ ``OUT.jsonl`` rows as they finish: ``--resume`` continues), ``OUT.png`` (perplexity) and ``OUT_needles.png``
 (needle accuracy by depth x length per method), prints the tables and the verdict, and writes ``OUT.md`` with one
-table of task averages and key-token perplexity per length, which the README's "which method, where" quotes.
+table of task averages and key-token perplexity per length, which docs/performance.md's "which method, where" quotes.
 
 Cost: every task sample is one forward pass of the full length plus a few dozen decoding steps. Measured on this
 project's 2-core CPU (2026-11-24, ``--lengths 8k,16k --methods none,yarn,self-extend,streaming-llm --tasks

@@ -42,13 +42,40 @@ def test_cli_prints_the_markdown_table():
     assert "| `alibi` |" in out and "| `nope` |" in out and "error: already ALiBi" in out
 
 
-def test_readme_shows_the_registry_table():
+def test_docs_show_the_registry_table():
     from pathlib import Path
 
     from ctxext.adapters.table import format_method_table
 
+    page = (Path(__file__).resolve().parents[1] / "docs" / "methods.md").read_text()
+    assert format_method_table(markdown=True) in page, (
+        "docs/methods.md's method table is stale: paste `ctxext methods --markdown`")
+
+
+def test_readme_compact_table_agrees_with_the_registry():
+    """README.md shows the table as yes / no per family (and whether a temperature applies): the same cells as
+    `ctxext methods`' matrix, read from the registry."""
+    from pathlib import Path
+
+    from ctxext.adapters import ADAPTERS
+    from ctxext.commands.methods import fits
+
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    assert format_method_table(markdown=True) in readme, "README's method table is stale: paste `ctxext methods --markdown`"
+    families = [a.family for a in ADAPTERS]
+    header = "| method | " + " | ".join(families) + " | temperature |"
+    assert header in readme, f"README's compact method table needs the header {header!r}"
+    lines = readme.split(header, 1)[1].strip().splitlines()[1:]  # after the |---| line
+    rows = {}
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells[1:]
+    full = format_method_table(markdown=True).splitlines()[2:]
+    temperature = {r.split("|")[1].strip().strip("`"): r.split("|")[-2].strip() for r in full}
+    expected = {row["method"]: ["yes" if fits(row[f]) else "no" for f in families]
+                + ["no" if temperature[row["method"]] == "no" else "yes"] for row in method_table()}
+    assert rows == expected, "README's compact method table disagrees with `ctxext methods`: regenerate it"
 
 
 # -- the text views fit a terminal (issue 26) ------------------------------------------------------------------------

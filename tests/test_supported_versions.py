@@ -1,4 +1,5 @@
-"""The declared transformers range, the README table and the CI matrix's record (.ci/supported_versions.json) agree.
+"""The declared transformers range, the docs' table (docs/architectures.md) and the CI matrix's record
+(.ci/supported_versions.json) agree.
 
 Whether every entry passed is the matrix's own exit status (CI fails on it), not asserted here: this suite runs
 inside the matrix, while the record is being rewritten."""
@@ -25,10 +26,16 @@ def test_pyproject_states_the_range_the_matrix_proves():
     assert declared == _results()["requirement"]
 
 
-def test_readme_table_is_the_matrix_output():
+def test_docs_table_is_the_matrix_output():
     table = subprocess.run(
         [sys.executable, str(ROOT / ".ci" / "matrix"), "--markdown"], capture_output=True, text=True, check=True
     ).stdout.strip()
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Supported versions", 1)[1].split("\n## ", 1)[0]
-    assert table in section
+    page = (ROOT / "docs" / "architectures.md").read_text()
+    section = page.split("## Supported transformers versions", 1)[1].split("\n## ", 1)[0]
+    assert table in section, "docs/architectures.md's versions table is stale: paste `python3 .ci/matrix --markdown`"
+
+
+def test_readme_states_the_declared_range():
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    declared = re.search(r'"transformers([^"]*)"', pyproject).group(1)
+    assert f"Supported transformers: `{declared}`" in (ROOT / "README.md").read_text()

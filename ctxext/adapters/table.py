@@ -1,5 +1,5 @@
 """The method x family table: each adapter says what each declared method does on its family, or why it does not
-apply. ``ctxext methods`` prints it; the README shows its Markdown form."""
+apply. ``ctxext methods`` prints it; docs/methods.md shows its Markdown form, README.md its yes / no form."""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 The default output fits a 120-column terminal: a yes / no matrix (methods x families), the family names, and the
 method summaries. ``--why`` prints the reason behind every cell, ``--family NAME`` those of one family.
-``--markdown`` prints the README's table, ``--json`` the table and each method's options, ``--census`` the
+``--markdown`` prints the table of docs/methods.md, ``--json`` the table and each method's options, ``--census`` the
 model x method census (``ctxext.census``).
 """
 
@@ -20,7 +20,7 @@ WIDTH = 120
 
 def register(sub) -> None:
     p = sub.add_parser("methods", help="list patching methods and the architectures each applies to")
-    p.add_argument("--markdown", action="store_true", help="print the table as Markdown (as in the README)")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown (as in docs/methods.md)")
     p.add_argument("--json", action="store_true", help="print the table and each method's options as JSON")
     p.add_argument("--why", action="store_true",
                    help="the reason behind every cell: what each method does on each family, or why it does not fit")
