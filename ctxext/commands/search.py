@@ -7,12 +7,15 @@
 MODEL is a hub id, a local folder (with ``--gguf-file``: a GGUF file in it) or ``reference:NAME``. Calibration text:
 ``--data`` (a text / JSONL file, a folder, a saved dataset), or the bundled book (held-out *Emma*). Everything is checked
 before the model's weights load; the folder is refused if it exists, unless ``--resume`` (continue its log) or
-``--overwrite`` (replace a folder an earlier search wrote).
+``--overwrite`` (replace a folder an earlier search wrote), and where it lies inside a ``--data`` folder or holds
+``--data``. The last line of the report says why the search stopped: its budget spent, ``--minutes`` out, or every
+candidate within the constraint scored.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 
@@ -46,7 +49,25 @@ def register(sub) -> None:
     q.set_defaults(func=run_search)
 
 
-def _check_out(out: Path, source: str, resume: bool, overwrite: bool) -> None:
+def _check_apart_from_data(out: Path, data: str | None) -> None:
+    """--out and --data apart: the next run would read the search's own files as calibration text (an --out inside a
+    --data folder), and a --data inside --out lies where the search writes and --overwrite clears. As eval refuses an
+    --output inside its --data folder (evaluation.plan)."""
+    if data is None:
+        return
+    path = Path(data).expanduser()
+    if not path.exists():  # a dataset's name: nothing on disk to overlap
+        return
+    where, folder = Path(os.path.realpath(path)), Path(os.path.realpath(out.expanduser()))  # a link loop: as given
+    if where == folder or folder in where.parents:
+        raise ValueError(f"--data {data} is inside --out {out}, where the search writes its log and checkpoint (and "
+                         "--overwrite clears); keep the calibration text outside --out")
+    if where.is_dir() and where in folder.parents:
+        raise ValueError(f"--out {out} is inside the --data folder {data}: its log would be read as calibration text "
+                         "by the next run (--resume, --overwrite); choose an --out outside it")
+
+
+def _check_out(out: Path, source: str, resume: bool, overwrite: bool, data: str | None = None) -> None:
     from ..core.outputs import check_replaceable_folder, check_writable_folder
     from ..search.longrope import LOG, is_search_folder, is_search_log
 
@@ -60,6 +81,7 @@ def _check_out(out: Path, source: str, resume: bool, overwrite: bool) -> None:
     source_path = Path(source).expanduser()
     if source_path.exists() and out.resolve() in (source_path.resolve(), *source_path.resolve().parents):
         raise ValueError(f"--out {out} would write into the model it reads ({source}); choose another folder")
+    _check_apart_from_data(out, data)
     if resume:
         if not (out / LOG).is_file():
             raise FileNotFoundError(f"--resume: {out / LOG} does not exist; start the search without --resume")
@@ -74,7 +96,8 @@ def _check_out(out: Path, source: str, resume: bool, overwrite: bool) -> None:
         if not overwrite:
             raise FileExistsError(f"--out {out} exists; pass --resume to continue its search or --overwrite to "
                                   "replace it")
-        check_replaceable_folder(out, "--out", is_ours=is_search_folder, inputs=(source,), what="a ctxext search")
+        check_replaceable_folder(out, "--out", is_ours=is_search_folder, inputs=(source, data),
+                                 what="a ctxext search")
 
 
 def run_search(args) -> int:
@@ -93,7 +116,7 @@ def run_search(args) -> int:
                               seed=args.seed)
     source = model_source(args.model)
     out = Path(args.out)
-    _check_out(out, source, args.resume, args.overwrite)
+    _check_out(out, source, args.resume, args.overwrite, args.data)
     check_source(source, gguf_file=args.gguf_file, what="MODEL")
     dtype = resolve_dtype(args.dtype)
     kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
@@ -105,7 +128,8 @@ def run_search(args) -> int:
                 "model_files": model_fingerprint({"model": source, "gguf_file": args.gguf_file}),
                 "data_sha256": hashlib.sha256(tokens.numpy().tobytes()).hexdigest()}  # the text scored, as tokens
     with OutputLock(out, "--out"):  # one writer, from before the load to the checkpoint's move into place
-        _check_out(out, source, args.resume, args.overwrite)  # again: another run may have written it meanwhile
+        # again: another run may have written it meanwhile
+        _check_out(out, source, args.resume, args.overwrite, args.data)
         result = _search_into(args, out, source, dtype, kwargs, tokens, settings, tokenizer, describe)
     print(format_result(result, out))
     return 0
@@ -166,10 +190,14 @@ def _calibration_tokens(tokenizer, data: str | None):
 def format_result(result: dict, out: Path) -> str:
     stage = result["stage"]
     starts = ", ".join(f"{name} {value:.3f}" for name, value in sorted(result["starts"].items(), key=lambda x: x[1]))
+    settings = result.get("settings") or {}
+    stopped = result.get("stopped") or ("minutes" if result.get("out_of_time") else "budget")
+    why = {"minutes": f"stopped by --minutes {settings.get('minutes')}",
+           "exhausted": f"stopped with budget left: the search space is exhausted ({result.get('exhausted')})",
+           }.get(stopped, f"--budget {settings.get('budget')} spent")
     lines = [
         f"longrope x{stage:g} ({result['target_length']} tokens): best perplexity {result['best_score']:.3f} after "
-        f"{result['scored']} candidates ({result['fresh']} scored now)" + (", stopped by --minutes"
-                                                                            if result["out_of_time"] else ""),
+        f"{result['scored']} candidates ({result['fresh']} scored now); {why}",
         f"starting points at x{stage:g}: {starts}",
         f"checkpoint: {out} (plain transformers.AutoModelForCausalLM.from_pretrained loads it as rope type longrope)",
     ]

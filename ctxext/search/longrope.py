@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -35,6 +36,8 @@ LOG = "search.jsonl"
 RESULT = "search.json"
 #: Written into the folder: the files the search wrote there, so ``overwrite`` replaces nothing else.
 MARKER = ".ctxext-search.json"
+#: Rows of a resumed log that are left out, named one per line (the rest counted).
+SHOWN = 5
 
 
 class SearchIncomplete(ValueError):
@@ -118,6 +121,12 @@ def longrope_search(model: nn.Module, tokens: torch.Tensor, settings: SearchSett
                            "rope_theta": inputs.base, "rotary_dim": inputs.dim, "tokens": int(tokens.numel()),
                            **(describe or {})}}
     log = ScoreLog(out / LOG, header, resume)
+    for problem in log.rejected[:SHOWN]:  # a damaged or hand-edited row: never a score, its candidate scored again
+        print(f"search --resume: {problem}; left out of the log, its candidate is scored again if the search reaches "
+              "it", file=sys.stderr, flush=True)
+    if len(log.rejected) > SHOWN:
+        print(f"search --resume: {len(log.rejected) - SHOWN} more rows of {out / LOG} left out likewise",
+              file=sys.stderr, flush=True)
     model.eval()
 
     def score(stage: float, factors: list[float]) -> float:
