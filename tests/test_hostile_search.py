@@ -263,3 +263,17 @@ def test_the_folder_check_takes_links_and_loops(model_dir, tmp_path, capsys, mon
     assert main(_args(model_dir, tmp_path / "s", "--data", str(tmp_path / "loop"))) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and "loop" in err, err
+
+
+def test_a_search_where_every_candidate_fails_writes_no_checkpoint(model_dir, tmp_path, capsys, monkeypatch):
+    """A model whose outputs are not finite at the target length scores every candidate inf: that is no result, and
+    a checkpoint of arbitrary factors labelled 'best perplexity inf' would be one."""
+    import importlib
+
+    scoring = importlib.import_module("ctxext.evaluation.perplexity")  # the module, not the function of its name
+    monkeypatch.setattr(scoring, "perplexity", lambda *a, **k: {"ppl": None})
+    out = tmp_path / "search"
+    assert main(_args(model_dir, out)) != 0
+    err = capsys.readouterr().err
+    assert "every candidate scored perplexity inf" in err and "no checkpoint written" in err
+    assert not (out / "config.json").exists() and (out / "search.jsonl").exists()

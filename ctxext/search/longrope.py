@@ -16,6 +16,7 @@ runs the found factors.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 import tempfile
@@ -158,6 +159,10 @@ def longrope_search(model: nn.Module, tokens: torch.Tensor, settings: SearchSett
                   f"final factor x{final:g}; no checkpoint written (its factors would not be the x{final:g} ones)")
         raise SearchIncomplete(f"{reason}. The log in {out} is kept: continue with --resume and a larger {why}",
                                reason)
+    if not math.isfinite(result["best_score"]):  # every candidate failed to score: no factors were found
+        raise SearchIncomplete(f"every candidate scored perplexity {result['best_score']} (the model's outputs are "
+                               f"not finite at x{final:g}); no checkpoint written. The log in {out} is kept",
+                               "every candidate scored a non-finite perplexity")
     changes = native_changes(model.config, inputs, result["best"], settings.factor)
     verify_native(model, inputs, result["best"], settings.factor, changes)
     result.update(trained_length=length, target_length=int(round(settings.factor * length)),
