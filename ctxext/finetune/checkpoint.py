@@ -10,6 +10,8 @@ incomplete checkpoint and is ignored.
 format: a safetensors header that covers its tensors, a torch.save archive's directory and CRCs, the JSON files). A
 damaged one (a disk that filled up, a copy cut short) is passed over for the newest intact one, and said so; it is
 renamed ``damaged-checkpoint-N`` when training starts (Trainer's rotation and resume only see ``checkpoint-N``).
+A write that fails while a checkpoint is saved (a full disk) stops the run with one line that names the folder and
+the checkpoint ``--resume`` continues from (:func:`write_failure`).
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from .config import Recipe, RecipeError
+from .errors import WriteError
 
 PREFIX = f"{PREFIX_CHECKPOINT_DIR}-"  # Trainer's folder names: checkpoint-N
 STATE = "ctxext_state.json"
@@ -91,8 +95,102 @@ def files(path: Path) -> dict[str, int]:
 
 
 def write_state(path: Path, record: dict[str, Any]) -> None:
-    """ctxext's record, written last: its presence marks the checkpoint complete."""
-    (Path(path) / STATE).write_text(json.dumps(dict(record, files=files(path)), indent=1) + "\n")
+    """ctxext's record, written last: its presence marks the checkpoint complete (a write that fails, a full disk,
+    leaves none)."""
+    target = Path(path) / STATE
+    try:
+        target.write_text(json.dumps(dict(record, files=files(path)), indent=1) + "\n")
+    except BaseException:
+        target.unlink(missing_ok=True)
+        raise
+
+
+#: Free bytes below which the disk of a write that failed is taken as full. torch's zip writer keeps no errno: a
+#: short write shows as "unexpected pos N vs M", and the file it cut short stays, so the full disk has about nothing
+#: free afterwards.
+FULL_BELOW = 1 << 20
+
+
+def _errno(exc: BaseException | None) -> int | None:
+    """The errno of a failed write: an OSError's in the exception's chain (cause, context), or the one safetensors'
+    I/O error carries ("... (os error 28)")."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, OSError) and exc.errno is not None:
+            return exc.errno
+        if type(exc).__name__ == "SafetensorError":
+            found = re.search(r"\(os error (\d+)\)", str(exc))
+            if found:
+                return int(found.group(1))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _from_a_writer(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised by a file writer that reports no errno: torch.save's (raised in
+    torch/serialization.py) or safetensors'."""
+    tb, last = exc.__traceback__, None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    where = Path(last.tb_frame.f_code.co_filename).as_posix() if last is not None else ""
+    return where.endswith("torch/serialization.py") or type(exc).__name__ == "SafetensorError"
+
+
+def _free_bytes(folder: Path) -> int | None:
+    """Free bytes on the disk of ``folder`` (or of its nearest folder that exists); None if that cannot be read."""
+    for place in (folder, *folder.parents):
+        if place.exists():
+            try:
+                return shutil.disk_usage(place).free
+            except OSError:
+                return None
+    return None
+
+
+def write_failure(exc: BaseException, folder: Path, out: Path, what: str = "checkpoint") -> WriteError | None:
+    """The one-line error for ``exc``, raised while ``what`` (``checkpoint``: the checkpoint folder ``folder`` of the
+    run in ``out``; or e.g. ``the adapter``, written into ``folder``) was written; None when ``exc`` is not a failed
+    write (it is left as it is). The disk is said to be full by the failed write's errno (ENOSPC, EDQUOT), or, for a
+    writer that keeps none (torch.save), by the little space left on it."""
+    import errno
+
+    folder, out = Path(folder), Path(out)
+    code, free = _errno(exc), _free_bytes(folder)
+    low = free is not None and free < FULL_BELOW
+    if code is None and not isinstance(exc, OSError) and not _from_a_writer(exc) \
+            and not (isinstance(exc, RuntimeError) and low):
+        return None
+    full = code in (errno.ENOSPC, errno.EDQUOT) or low
+    if full:
+        why = "the disk is full" + (f" ({free:,} bytes free)" if free is not None else "")
+    else:
+        why = "the write failed: " + (f"{type(exc).__name__}: " if not isinstance(exc, OSError) else "") \
+            + " ".join((str(exc).splitlines() or [""])[0].split())
+    complete = latest(out)
+    then = (f"it continues from the last complete checkpoint, {complete.name}" if complete is not None
+            else "no checkpoint is complete yet, so it starts the run over")
+    if what == "checkpoint":
+        head = f"writing checkpoint {folder} failed: {why}; that folder is incomplete and is not resumed from"
+    else:
+        head = f"writing {what} to {folder} failed: {why}"
+    error = WriteError(f"{head}. {'Free some space' if full else 'Fix the write'} and run again with --resume: "
+                       f"{then}")
+    error.errno = errno.ENOSPC if full else code
+    return error
+
+
+@contextmanager
+def writing(folder: Path, out: Path, what: str = "checkpoint"):
+    """Runs the block that writes ``what`` into ``folder``; a write in it that fails is raised as
+    :func:`write_failure`'s one line (anything else as it was)."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - sorted by write_failure: what is not a failed write is raised again
+        failed = write_failure(exc, folder, out, what)
+        if failed is None:
+            raise
+        raise failed from None
 
 
 def damage(path: Path) -> tuple[str, str] | None:

@@ -8,6 +8,7 @@ at once with its key path, and ``--set a.b=value`` overrides any key (the value 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -769,6 +770,16 @@ DEFAULT_ONLY = {
     "eval_on_start": "ctxext evaluates before and after training (eval:); Trainer gets no evaluation set",
     "load_best_model_at_end": "Trainer gets no evaluation set to pick a best checkpoint by",
 }
+#: TrainingArguments fields whose type takes values Trainer fails on (or trains wrongly with) only once the model has
+#: loaded: field -> (the values taken, as a test of a number, and as words). null keeps a field's default (off).
+ARG_RANGES = {
+    # NEFTune adds uniform noise in [-a, a] x alpha / sqrt(L x d) to the embeddings: a negative alpha makes torch's
+    # uniform_ fail at the first step ("from > to"), an infinite one makes the embeddings noise
+    "neftune_noise_alpha": (lambda v: math.isfinite(v) and v >= 0,
+                            "a finite number >= 0 (NEFTune's noise scale; its paper uses 5 to 15), or null for none"),
+    # the share of the target's probability spread over the vocabulary: outside [0, 1) the loss rewards wrong tokens
+    "label_smoothing_factor": (lambda v: 0 <= v < 1, "a number in [0, 1)"),
+}
 
 
 def training_argument_fields() -> set[str]:
@@ -805,6 +816,12 @@ def check_args(args: dict, err) -> None:
                 f"{_transformers_version()})", f"train.args.{key}")
         elif key in hints and not _fits(value, hints[key]):
             err(f"train.args.{key}: expected {_type_name(hints[key])}, got {_short(value)}", f"train.args.{key}")
+        elif key in ARG_RANGES and _is_number(value) and not ARG_RANGES[key][0](value):
+            err(f"train.args.{key}: must be {ARG_RANGES[key][1]}, got {_short(value)}", f"train.args.{key}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _fits(value: Any, hint: Any) -> bool:

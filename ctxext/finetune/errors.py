@@ -11,3 +11,8 @@ class RecipeError(ValueError):
     def __init__(self, message: str, problems: list[str] | None = None):
         super().__init__(message)
         self.problems = list(problems) if problems else [message]
+
+
+class WriteError(OSError):
+    """A file of the run could not be written (a full disk): one line that names the folder and how to go on.
+    ``errno`` is ENOSPC when the disk was found full, else the failed write's errno (or None)."""

@@ -101,6 +101,7 @@ def check(recipe: Recipe) -> dict[str, Any]:
     _check_shift_length(recipe, seq_length)  # the length the patch sets
     if recipe.train.pose is not None:
         try:
+            _check_pose_chunks(recipe, seq_length)
             checked["pose_target"] = _pose_target(recipe, spec, model, seq_length)
         except RecipeError as exc:
             raise recipe.error(str(exc), exc.problems) from None
@@ -161,6 +162,17 @@ def _seq_length(recipe: Recipe, spec: dict | None, model) -> int:
     if length:
         return length
     raise RecipeError("data.seq_length is required: the patch gives no target length for this model")
+
+
+def _check_pose_chunks(recipe: Recipe, seq_length: int) -> None:
+    """train.pose.chunks fits the training window (each chunk holds at least one token); a data.seq_length given is
+    checked with the recipe, the default one (the model's original length) here."""
+    chunks = recipe.train.pose.chunks
+    if chunks > seq_length:
+        given = "data.seq_length" + ("" if recipe.data.seq_length else ", by default the model's original length")
+        raise RecipeError(f"train.pose.chunks ({chunks}) is more than the {seq_length} tokens of the training window "
+                          f"({given}): each chunk holds at least one token; use at most {seq_length} chunks (the "
+                          "PoSE paper uses 2)")
 
 
 def _pose_target(recipe: Recipe, spec: dict | None, model, seq_length: int) -> int:
@@ -437,6 +449,7 @@ def run(
     spec = apply_patch(recipe, model)
     seq_length = _seq_length(recipe, spec, model)
     if t.pose is not None:
+        _check_pose_chunks(recipe, seq_length)
         pose_target = _pose_target(recipe, spec, model, seq_length)
         model.to(args.device)
         check_position_input(model, pose_target, recipe.patch.method)
@@ -539,12 +552,13 @@ def run(
     peft_model = trainer.accelerator.unwrap_model(trainer.model)
     state.wait_for_everyone()
     if main:
-        peft_model.save_pretrained(str(out))
-        tokenizer.save_pretrained(str(out / "tokenizer"))
-        if spec is not None:
-            (out / PATCH_FILE).write_text(json.dumps(spec, indent=2) + "\n")
-        else:
-            (out / PATCH_FILE).unlink(missing_ok=True)
+        with ckpt.writing(out, out, "the adapter"):  # a full disk: one line; --resume trains from the last checkpoint
+            peft_model.save_pretrained(str(out))
+            tokenizer.save_pretrained(str(out / "tokenizer"))
+            if spec is not None:
+                (out / PATCH_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+            else:
+                (out / PATCH_FILE).unlink(missing_ok=True)
     state.wait_for_everyone()
     say(f"adapter saved to {out}")
 

@@ -38,14 +38,51 @@ def training_arguments(recipe: Recipe, accumulation: int, progress: bool, use_cp
     name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
     mapped.update({name: t.gradient_checkpointing, f"{name}_kwargs": {"use_reentrant": False}})
     mapped.update(t.args)
+    _check_packages(recipe, t.args)
     try:
         args = TrainingArguments(**mapped)
     except (ValueError, TypeError, ImportError) as exc:
         raise recipe.error("train: transformers.TrainingArguments refused the training settings (train keys and "
-                           f"train.args): {' '.join(str(exc).split())}") from None
+                           f"train.args): {_exception_text(exc)}") from None
     _check_reporting(recipe, args.report_to)
     _check_optimizer(recipe, args)
     return args
+
+
+def _exception_text(exc: BaseException) -> str:
+    """An exception's message on one line. importlib's PackageNotFoundError prints "No package metadata was found for
+    NAME", and transformers raises it with a sentence as the NAME: that sentence is the message."""
+    import importlib.metadata
+
+    text = exc.args[0] if isinstance(exc, importlib.metadata.PackageNotFoundError) and exc.args else exc
+    return " ".join(str(text).split())
+
+
+#: train.args fields that need a package ctxext does not install: field -> (the package as pip names it, the
+#: transformers function that tells whether it is there: module, name). Trainer would meet a missing one only after
+#: the model has loaded (liger-kernel at its first step; deepspeed in TrainingArguments, with a garbled message).
+NEEDS_PACKAGE = {
+    "use_liger_kernel": ("liger-kernel>=0.3.0", "transformers.utils.import_utils", "is_liger_kernel_available"),
+    "deepspeed": ("deepspeed", "transformers.integrations.deepspeed", "is_deepspeed_available"),
+}
+
+
+def _check_packages(recipe: Recipe, given: dict) -> None:
+    """The packages that the train.args fields given need (:data:`NEEDS_PACKAGE`) are installed, as
+    train.args.report_to's integrations and train.args.optim's optimizer are (a field given as false / null / empty
+    is off and needs nothing)."""
+    import importlib.util
+
+    for key, (package, module, probe) in NEEDS_PACKAGE.items():
+        if not given.get(key):
+            continue
+        try:
+            installed = bool(getattr(importlib.import_module(module), probe)())
+        except (ImportError, AttributeError):  # a release without the probe: the import name decides
+            installed = importlib.util.find_spec(package.split(">")[0].replace("-", "_")) is not None
+        if not installed:
+            raise recipe.error(f"train.args.{key}: needs {package}, which is not installed in this environment "
+                               f"(pip install '{package}', or drop train.args.{key})")
 
 
 def _check_optimizer(recipe: Recipe, args: TrainingArguments) -> None:
@@ -86,6 +123,12 @@ class RunTrainer(Trainer):
 
     def _get_train_sampler(self, *args, **kwargs):
         return torch.utils.data.SequentialSampler(self.train_dataset)
+
+    def _save_checkpoint(self, *args, **kwargs):
+        # a write that fails (a full disk: torch.save's "unexpected pos N vs M") is one line naming the folder
+        with ckpt.writing(Path(self.args.output_dir) / f"{ckpt.PREFIX}{self.state.global_step}",
+                          Path(self.args.output_dir)):
+            return super()._save_checkpoint(*args, **kwargs)
 
 
 class LossBar(ProgressCallback):
@@ -161,10 +204,11 @@ class RunCallback(TrainerCallback):
         PartialState().wait_for_everyone()  # every process's files are written before the record that lists them
         if state.is_world_process_zero:
             path = Path(args.output_dir) / f"{ckpt.PREFIX}{state.global_step}"
-            for name, text in self.beside_adapter.items():  # before the record, which lists every file's size
-                (path / name).write_text(text)
-            ckpt.write_state(path, dict(self.record, step=state.global_step, recipe=self.recipe.to_dict(True),
-                                        world_size=args.world_size))
+            with ckpt.writing(path, Path(args.output_dir)):
+                for name, text in self.beside_adapter.items():  # before the record, which lists every file's size
+                    (path / name).write_text(text)
+                ckpt.write_state(path, dict(self.record, step=state.global_step, recipe=self.recipe.to_dict(True),
+                                            world_size=args.world_size))
             self.log.write(event="checkpoint", step=state.global_step, path=str(path))
             ckpt.keep_newest(Path(args.output_dir), self.recipe.train.keep_checkpoints)
 
