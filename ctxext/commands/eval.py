@@ -19,11 +19,15 @@ from ..evaluation.plan import (
     DEMO_OUTPUT,
     DEMO_PLOT,
     EVAL_OUTPUT,
+    MAX_PASSKEY_TRIALS,
+    MAX_TASK_SAMPLES,
     PROTOCOLS,
     parse_count,
     parse_depths,
     parse_factor_argument,
     parse_lengths,
+    parse_passkey_trials,
+    parse_task_samples,
 )
 
 
@@ -43,6 +47,8 @@ def _argument(parse):
 _lengths = _argument(parse_lengths)
 _depths = _argument(parse_depths)
 _positive = _argument(parse_count)
+_samples = _argument(parse_task_samples)
+_trials = _argument(parse_passkey_trials)
 _factor = _argument(parse_factor_argument)  # also `ctxext export --factor`
 
 
@@ -53,7 +59,9 @@ def add_eval_arguments(p, *, demo: bool) -> None:
                        "(llama, gpt2, bloom: one shipped reference model) (default: the shipped reference models, as "
                        "`ctxext demo`)")
         g.add_argument("--gguf-file", help="GGUF file name inside --model")
-        g.add_argument("--adapter", help="LoRA adapter directory saved by a ctxext fine-tune")
+        g.add_argument("--adapter", help="LoRA adapter directory saved by a ctxext fine-tune: evaluated as trained, "
+                       "with the patch its ctxext_patch.json records (a method named without a factor gets its factor; "
+                       "'none' is refused); rows are labelled +LoRA")
     g.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16 or auto")
     g.add_argument("--device", default=None, help="cpu, cuda or auto (device_map='auto'); default: cuda if available")
     g = p.add_argument_group("patches")
@@ -88,8 +96,8 @@ def add_eval_arguments(p, *, demo: bool) -> None:
                    "aliases ruler (all 11), niah (the 8 needle tasks), quick (niah_single_1, niah_single_2, "
                    "niah_multikey_1, vt) (default: ppl, plus passkey with --passkey"
                    + ("; the demo adds passkey on the LLaMA reference, the one trained to retrieve)" if demo else ")"))
-    g.add_argument("--task-samples", type=_positive, default=10,
-                   help="samples per (task, method, length) (default: 10)")
+    g.add_argument("--task-samples", type=_samples, default=10,
+                   help=f"samples per (task, method, length), at most {MAX_TASK_SAMPLES:,} (default: 10)")
     g.add_argument("--task-depths", type=_depths, default=DEFAULT_DEPTHS,
                    help="needle depths of the needle tasks, taken in turn by the samples (default: 0,.25,.5,.75,1)")
     g.add_argument("--no-chat-template", action="store_true",
@@ -110,7 +118,8 @@ def add_eval_arguments(p, *, demo: bool) -> None:
                    help="the evaluator's long context in tokens (default: its trained length)")
     g.add_argument("--key-short", type=_positive, help="the short context in tokens (default: an eighth of the long)")
     g.add_argument("--passkey-depths", type=_depths, default=DEFAULT_DEPTHS, help="needle depths (default: 0,.25,.5,.75,1)")
-    g.add_argument("--passkey-trials", type=_positive, default=2, help="trials per (length, depth) (default: 2)")
+    g.add_argument("--passkey-trials", type=_trials, default=2,
+                   help=f"trials per (length, depth), at most {MAX_PASSKEY_TRIALS:,} (default: 2)")
     g.add_argument("--seed", type=int, default=0, help="seed of the passkey and task samples (default: 0)")
     g = p.add_argument_group("output")
     g.add_argument("--output", help=f"results JSON; rows also go to a .jsonl beside it as they finish "
@@ -145,16 +154,16 @@ def run_eval(args) -> int:
     plan = plan_eval(args)  # every check: nothing loaded or written yet
     with open_run(plan) as state:
         finished = run_plan(plan, state, command=args.command)
-        if state.is_main_process:
-            _show(plan, finished)
+        unwritten = _show(plan, finished, command=args.command) if state.is_main_process else 0
         state.wait_for_everyone()  # no process exits (and makes torchrun stop the others) before the files are written
         if not finished.rows and not finished.outcome.errors:
             raise ValueError("nothing was evaluated")
-        return 2 if finished.outcome.errors else 0
+        return 2 if finished.outcome.errors or unwritten else 0
 
 
-def _show(plan, finished) -> None:
-    """Tables on stdout, file names on stderr, and the pictures (only beside results this run wrote)."""
+def _show(plan, finished, *, command: str = "eval") -> int:
+    """Tables on stdout, file names on stderr, and the pictures (only beside results this run wrote). Returns how
+    many pictures could not be written (each said on stderr, with how to draw it: the results are kept)."""
     from ..evaluation.report import format_report, write_pictures
     from ..evaluation.verdict import format_verdicts
 
@@ -167,7 +176,13 @@ def _show(plan, finished) -> None:
         print("\n" + verdict)
     if finished.written is None:
         print("\nno results written: nothing finished in this run", file=sys.stderr)
-        return
+        return 0
     print(f"\nresults: {finished.store.output} (rows: {finished.store.jsonl})", file=sys.stderr)
-    for what, path in write_pictures(plan, rows, models, finished.document):
-        print(f"{what}: {path}", file=sys.stderr)
+    unwritten = 0
+    for what, path, problem in write_pictures(plan, rows, models, finished.document):
+        if problem is None:
+            print(f"{what}: {path}", file=sys.stderr)
+        else:
+            unwritten += 1
+            print(f"ctxext {command}: error: {problem}", file=sys.stderr)
+    return unwritten

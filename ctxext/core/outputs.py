@@ -122,10 +122,12 @@ def lock_path(output: str | os.PathLike) -> Path:
 
 class OutputLock:
     """``with OutputLock(path, flag):`` holds an exclusive advisory lock on ``path``'s lock file, or raises
-    ValueError naming the pid of the run that holds it. The lock file is removed on release."""
+    ValueError naming the pid of the run that holds it. The lock file is removed on release. ``subject``: how the
+    messages name ``path`` where it is not the one ``flag`` names (a file beside it); default ``"FLAG PATH"``."""
 
-    def __init__(self, output: str | os.PathLike, flag: str = "--output"):
+    def __init__(self, output: str | os.PathLike, flag: str = "--output", *, subject: str | None = None):
         self.output, self.flag = Path(output), flag
+        self.subject = subject or f"{flag} {self.output}"
         self.path = lock_path(output)
         self._fd: int | None = None
         self._made: Path | None = None
@@ -156,9 +158,9 @@ class OutputLock:
                 os.close(fd)
                 if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
                     who = f"pid {pid}" if pid else "another process"
-                    raise ValueError(f"{self.flag} {self.output} is being written by another ctxext run ({who}); "
+                    raise ValueError(f"{self.subject} is being written by another ctxext run ({who}); "
                                      f"wait for it to finish or choose another {self.flag}") from None
-                raise ValueError(f"{self.flag} {self.output}: cannot lock {self.path}: {exc.strerror}") from None
+                raise ValueError(f"{self.subject}: cannot lock {self.path}: {exc.strerror}") from None
             # the holder before us may have removed the file after we opened it: lock the file that is there now
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(self.path))

@@ -3,16 +3,33 @@ JSON lines and JSON lists holding the text in one field, and folders of them."""
 
 from __future__ import annotations
 
+import errno
 import fnmatch
 import gzip
 import json
 import lzma
+import os
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 #: Compressed files are opened through these; the suffix before it decides the kind (``book.txt.xz``).
 COMPRESSED_SUFFIXES = {".gz": gzip.open, ".xz": lzma.open}
+
+
+def check_data_path(path, flag: str = "data") -> None:
+    """Raise ValueError naming ``flag`` where ``path`` cannot even be looked at: a link loop (``a -> b -> a``), a
+    name too long, a folder on the way that cannot be read. A missing path passes (each reader says what it
+    expected there). Touches nothing."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{flag} {path} is a loop of symbolic links ({exc.strerror}); give the file or folder "
+                             "the link should point to") from None
+        raise ValueError(f"{flag} {path} cannot be read ({exc.strerror or exc})") from None
 
 
 def plain_name(path: Path) -> str:

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from ..data.textfiles import find_files, inner_suffix, read_documents
+from ..data.textfiles import check_data_path, find_files, inner_suffix, read_documents
 
 HINT = "choose one with --text-field"
 _DATASET_MARKERS = ("dataset_dict.json", "dataset_info.json", "state.json")
@@ -99,6 +99,7 @@ def load_texts(data: str, *, split: str = "test", text_field: str = "text") -> T
     - a folder saved by ``datasets`` (``save_to_disk``) or loadable by ``datasets.load_dataset``, or a hub
       dataset name: the ``text_field`` column of ``split``.
     """
+    check_data_path(data, "--data")  # a link loop is neither a file nor a folder: said as what it is
     path = Path(data)
     info: dict[str, Any] = {"data": data}
     if path.is_file():

@@ -8,17 +8,19 @@ loaded and nothing is written here.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..data.textfiles import check_data_path
 from .data import Texts, load_texts
 from .demo import DEMO_MAX_TOKENS, demo_jobs, reference_texts
 from .device import resolve_device, resolve_dtype
 from .models import load_model, load_tokenizer
 from .passkey import DEFAULT_DEPTHS
 from .preflight import check_evaluator_tokenizer, check_fit, check_key_tokens
-from .requests import MethodChoice, parse_factor
+from .requests import NONE, MethodChoice, parse_factor
 from .results import check_file_target, check_output, jsonl_path, recorded_pictures
 from .runner import PASSKEY_ASKED, PASSKEY_NOT, ModelJob, Settings, default_lengths
 from ..reference import model_source, reference_name
@@ -27,7 +29,8 @@ from .windows import PROTOCOLS, check_protocol
 
 #: What the command line offers and shows as defaults (the command imports them from here).
 __all__ = ["DEFAULT_DEPTHS", "DEMO_MAX_TOKENS", "DEMO_OUTPUT", "DEMO_PLOT", "EVAL_OUTPUT", "PROTOCOLS", "EvalPlan",
-           "parse_count", "parse_depths", "parse_factor_argument", "parse_lengths", "parse_measures", "plan_eval"]
+           "MAX_PASSKEY_TRIALS", "MAX_TASK_SAMPLES", "parse_count", "parse_depths", "parse_factor_argument",
+           "parse_lengths", "parse_measures", "parse_passkey_trials", "parse_task_samples", "plan_eval"]
 
 DEMO_OUTPUT = "results/demo.json"
 DEMO_PLOT = "results/demo.png"
@@ -74,6 +77,30 @@ def parse_count(text: str) -> int:
         raise ValueError(f"expected a whole number >= 1, got {text!r}") from None
     if value < 1:
         raise ValueError(f"must be >= 1, got {value}")
+    return value
+
+
+#: The most --task-samples (per task, method and length) and --passkey-trials (per length and depth) a run takes:
+#: each is a greedy generation at the full length, so more would run for weeks, and the list of samples is built
+#: whole before the first one runs (RULER's own default is 500 samples per task).
+MAX_TASK_SAMPLES = 10_000
+MAX_PASSKEY_TRIALS = 10_000
+
+
+def parse_task_samples(text: str) -> int:
+    """``--task-samples``: a whole number from 1 to ``MAX_TASK_SAMPLES``."""
+    return _bounded_count(text, MAX_TASK_SAMPLES, "samples per task, method and length")
+
+
+def parse_passkey_trials(text: str) -> int:
+    """``--passkey-trials``: a whole number from 1 to ``MAX_PASSKEY_TRIALS``."""
+    return _bounded_count(text, MAX_PASSKEY_TRIALS, "trials per length and depth")
+
+
+def _bounded_count(text: str, maximum: int, what: str) -> int:
+    value = parse_count(text)
+    if value > maximum:
+        raise ValueError(f"at most {maximum:,} {what} (each is a generation at the full length), got {value:,}")
     return value
 
 
@@ -169,6 +196,7 @@ def plan_eval(args) -> EvalPlan:
         raise ValueError("--evaluator, --key-context and --key-short need --key-tokens")
     if args.key_context and args.key_short and args.key_short >= args.key_context:
         raise ValueError(f"--key-short {args.key_short} must be shorter than --key-context {args.key_context}")
+    _check_counts(args)
     device = resolve_device(args.device)
     resolve_dtype(args.dtype)
     if measures is None:
@@ -182,12 +210,14 @@ def plan_eval(args) -> EvalPlan:
         except ImportError as exc:
             raise ValueError(f"--tasks: {exc}") from None
     methods = MethodChoice.parse(args.methods, options=args.option)  # unknown names, bad factors, stray options
+    if args.data:
+        check_data_path(args.data, "--data")  # a link loop, a path that cannot be read: one line, as search says it
     for length in args.lengths or []:
         check_protocol(args.protocol, length, args.stride)  # a stride too long for a length
     output = args.output or (DEMO_OUTPUT if demo else EVAL_OUTPUT)
-    if args.data and Path(args.data).resolve() in (Path(output).resolve(), jsonl_path(output).resolve()):
+    if args.data and _resolved(args.data) in (_resolved(output), _resolved(jsonl_path(output))):
         raise ValueError(f"--output {output} would overwrite the data {args.data}; choose another --output")
-    if args.data and Path(args.data).is_dir() and Path(args.data).resolve() in Path(output).resolve().parents:
+    if args.data and Path(args.data).is_dir() and _resolved(args.data) in _resolved(output).parents:
         raise ValueError(f"--output {output} is inside the --data folder {args.data}: its rows file would be read "
                          "as data by the next run (--resume, --overwrite); choose an --output outside it")
     check_output(output, resume=args.resume, overwrite=args.overwrite)
@@ -203,7 +233,7 @@ def plan_eval(args) -> EvalPlan:
     for flag, path in (("--plot", plot), ("--heatmap", heatmap)):
         if not path:
             continue
-        written = str(picture_file(Path(path)).resolve())
+        written = str(_resolved(picture_file(Path(path))))
         if args.overwrite or not args.resume:
             why = None
         elif not earlier:
@@ -217,16 +247,23 @@ def plan_eval(args) -> EvalPlan:
         if written in pictures:
             raise ValueError(f"--heatmap {heatmap} is the --plot file; choose another")
         pictures.append(written)
+    adapter_patch, trained_modules = None, []
     if not demo:
         _check_sources(args)
+        if args.adapter is not None:
+            adapter_patch, trained_modules = adapter_record(args.adapter)
+            if adapter_patch is not None:
+                _check_adapter_methods(args, methods, adapter_patch, trained_modules)
     texts = load_texts(args.data, split=args.data_split, text_field=args.text_field) if args.data else None
     if demo:
         jobs = demo_jobs(texts, factor=args.factor, dtype=args.dtype, device=device, passkey_where_trained=demo_passkey)
         texts = jobs[0].texts
     else:
         texts = texts or reference_texts()
-        jobs = [_model_job(args, device, texts)]
-    originals = check_fit(jobs, methods, args.lengths)  # lengths None: each model at 1x..8x its own original length
+        jobs = [_model_job(args, device, texts, adapter_patch)]
+    limits: dict[str, tuple[int, str]] = {}
+    # lengths None: each model at 1x..8x its own original length
+    originals = check_fit(jobs, methods, args.lengths, limits=limits if args.key_tokens else None)
     if not args.lengths:  # the default lengths are known only now: a --stride too long for one of them
         for label, original in originals.items():
             for length in default_lengths(original) if original else ():
@@ -236,7 +273,8 @@ def plan_eval(args) -> EvalPlan:
                     raise ValueError(f"--stride: {exc} ({label}'s default lengths: "
                                      f"{', '.join(map(str, default_lengths(original)))}; give --lengths)") from None
     if args.key_tokens:
-        check_key_tokens(originals, context=args.key_context, short=args.key_short, evaluator=args.evaluator)
+        check_key_tokens(originals, context=args.key_context, short=args.key_short, evaluator=args.evaluator,
+                         limits=limits)
         if args.evaluator and not demo:
             check_evaluator_tokenizer(jobs[0].load_tokenizer(), args.evaluator, texts.texts)
     max_windows, max_tokens = args.max_windows, args.max_tokens
@@ -257,6 +295,95 @@ def plan_eval(args) -> EvalPlan:
         as_given={"methods": args.methods, "factor": args.factor, "options": sorted(args.option or []),
                   "lengths": args.lengths},
     )
+
+
+def _resolved(path) -> Path:
+    """``path`` made absolute with its links followed; a link loop (which ``Path.resolve`` raises on) as written."""
+    try:
+        return Path(path).resolve()
+    except (OSError, RuntimeError):
+        return Path(os.path.abspath(path))
+
+
+def _check_counts(args) -> None:
+    """--task-samples and --passkey-trials within their bounds (the command line's parsers say it first; this holds
+    for arguments made in Python too): the samples are listed whole before the first one runs."""
+    for flag, value, maximum in (("--task-samples", args.task_samples, MAX_TASK_SAMPLES),
+                                 ("--passkey-trials", args.passkey_trials, MAX_PASSKEY_TRIALS)):
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= maximum:
+            raise ValueError(f"{flag} {value}: expected a whole number from 1 to {maximum:,}")
+
+
+#: Beside a ctxext fine-tune's adapter: the patch it was trained with (``ctxext.describe``'s dict).
+ADAPTER_PATCH_FILE = "ctxext_patch.json"
+
+
+def adapter_record(adapter: str) -> tuple[dict[str, Any] | None, list[str]]:
+    """The patch an --adapter folder records (its ``ctxext_patch.json``; method, factor, options with their defaults
+    filled in), or None where it records none; and the modules it trained in full (``adapter_config.json``'s
+    ``modules_to_save``, e.g. GPT-2's interpolated position table). Loads nothing."""
+    import json
+
+    from ..core.errors import PatchError
+    from ..core.spec import PatchSpec
+    from ..methods.registry import resolve_method, validate_options
+
+    folder = Path(adapter)
+    trained: list[str] = []
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8-sig"))
+        trained = [str(m) for m in (config.get("modules_to_save") or [])]
+    except (OSError, ValueError, AttributeError, TypeError):
+        pass  # peft says what is wrong with it when the adapter loads
+    spec_file = folder / ADAPTER_PATCH_FILE
+    if not spec_file.is_file():
+        return None, trained
+    try:
+        spec = PatchSpec.from_dict(json.loads(spec_file.read_text(encoding="utf-8-sig")))
+        info = resolve_method(spec.method)
+        options = validate_options(info, dict(spec.options or {}))
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise ValueError(f"--adapter {adapter}: {spec_file.name} cannot be read ({exc}); it records the patch the "
+                         "adapter was trained with: restore it from the training run's output") from None
+    except PatchError as exc:
+        raise PatchError(f"--adapter {adapter}: {spec_file.name}: {exc}") from None
+    factor = None if spec.factor is None else float(spec.factor)
+    return {"method": info.name, "factor": factor, "options": options}, trained
+
+
+def _check_adapter_methods(args, methods: MethodChoice, recorded: dict[str, Any], trained: list[str]) -> None:
+    """What --methods, --factor and --option may ask of an --adapter trained under the patch ``recorded``: never
+    its LoRA weights without that patch (``none``), no other patch where it trained patched modules in full (their
+    trained values would be replaced), and no --factor / --option that nothing would use."""
+    from .requests import MethodRequest, with_factor
+
+    own = MethodRequest(recorded["method"], recorded["factor"], recorded["options"])
+    name = f"{own.method}:{own.factor:g}" if own.factor is not None else own.method
+    where = f"--adapter {args.adapter} was trained with {own.label} (its {ADAPTER_PATCH_FILE})"
+    if args.key_tokens and not args.evaluator and trained:
+        raise ValueError(f"--key-tokens: the default evaluator is the model itself without its patch, and {where} and "
+                         f"trained {', '.join(trained)} in full under it, which taking the patch off drops; give "
+                         "--evaluator (e.g. the base model, as given to --model)")
+    if methods.given is None:
+        stray = [flag for flag, given in (("--factor", args.factor is not None), ("--option", bool(args.option)))
+                 if given]
+        if stray:
+            other = f"{own.method}:{args.factor:g}" if args.factor is not None else own.method
+            raise ValueError(f"{' and '.join(stray)} without --methods: {where}, and without --methods it is evaluated "
+                             f"with that patch as recorded; name the patches to evaluate with --methods (e.g. "
+                             f"--methods {name},{other})")
+        return
+    if any(r.method == NONE for r in methods.given):
+        raise ValueError(f"--methods {args.methods}: 'none' would evaluate the adapter's LoRA weights without the "
+                         f"patch they were trained with: {where}. Drop 'none': leave --methods out to evaluate the "
+                         f"adapter as trained, or list patches only (e.g. {name}); for the unpatched baseline, "
+                         "evaluate the base model without --adapter")
+    factor = args.factor if args.factor is not None else recorded["factor"]
+    others = [r for r in with_factor(list(methods.given), factor) if not r.matches(recorded)]
+    if others and trained:
+        raise ValueError(f"--methods {args.methods}: {where} and trained {', '.join(trained)} in full under it; "
+                         f"{', '.join(r.label for r in others)} would put untrained {', '.join(trained)} in place "
+                         f"of the trained. Evaluate it with its own patch: leave --methods out (or give {name})")
 
 
 def _beside(plot: str | None) -> str | None:
@@ -319,18 +446,20 @@ def _check_sources(args) -> None:
         raise FileNotFoundError(f"--adapter {args.adapter}: {missing}")
 
 
-def _model_job(args, device: str, texts: Texts) -> ModelJob:
-    """The one model of `ctxext eval --model`, as loaders: nothing is loaded here."""
+def _model_job(args, device: str, texts: Texts, adapter_patch: dict[str, Any] | None = None) -> ModelJob:
+    """The one model of `ctxext eval --model`, as loaders: nothing is loaded here. ``adapter_patch``: the patch
+    recorded beside --adapter, whose factor a method named without one gets (unless --factor gives one)."""
     from ..loading import model_skeleton
 
     model_id, gguf_file = args.model, args.gguf_file
+    factor = args.factor if args.factor is not None or adapter_patch is None else adapter_patch["factor"]
     return ModelJob(
         label=_model_label(model_id, gguf_file),
         load_tokenizer=lambda: load_tokenizer(model_id, gguf_file=gguf_file),
         load_model=lambda state: load_model(model_id, gguf_file=gguf_file, adapter=args.adapter, dtype=args.dtype,
                                             device=device, state=state),
         load_skeleton=lambda: model_skeleton(model_id, gguf_file=gguf_file),
-        texts=texts, factor=args.factor, info={"model": model_id, "gguf_file": gguf_file, "adapter": args.adapter},
+        texts=texts, factor=factor, info={"model": model_id, "gguf_file": gguf_file, "adapter": args.adapter},
         load_evaluator=_evaluator_loader(args.evaluator, args.dtype, device) if args.evaluator else None,
     )
 

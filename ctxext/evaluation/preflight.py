@@ -29,11 +29,13 @@ def unfit_requests(skeleton, requests: list[MethodRequest], *, default_factor: f
     return problems
 
 
-def check_fit(jobs: list[ModelJob], methods: MethodChoice, lengths: list[int] | None) -> dict[str, int | None]:
+def check_fit(jobs: list[ModelJob], methods: MethodChoice, lengths: list[int] | None, *,
+              limits: dict[str, tuple[int, str]] | None = None) -> dict[str, int | None]:
     """Methods x factors x model family, on each model's skeleton: a requested method that fits no model, or a
     derived factor past the cap, is refused before anything loads. Where several models run (the demo), a method
     that fits some of them runs on those and is reported for the others. ``lengths`` None: each model's default.
-    Returns each checked model's original (trained) length, as the results will state it."""
+    Returns each checked model's original (trained) length, as the results will state it; ``limits`` (a dict) gets
+    each model's :func:`context_limit`, unpatched (for the key-token evaluator)."""
     unfit: dict[str, list[str]] = {}
     originals: dict[str, int | None] = {}
     for job in jobs:
@@ -46,6 +48,10 @@ def check_fit(jobs: list[ModelJob], methods: MethodChoice, lengths: list[int] | 
                 raise
             continue  # the runner reports this model and runs the others
         originals[job.label] = model_info(skeleton, job.label)["original_length"]
+        if limits is not None:
+            found = context_limit(skeleton, originals[job.label])
+            if found is not None:
+                limits[job.label] = found
         try:
             adapter = find_adapter(skeleton)
         except PatchError as exc:
@@ -70,19 +76,62 @@ def check_fit(jobs: list[ModelJob], methods: MethodChoice, lengths: list[int] | 
 
 
 def check_key_tokens(originals: dict[str, int | None], *, context: int | None, short: int | None,
-                     evaluator: str | None) -> None:
-    """--key-context / --key-short against the evaluator's trained length (the model's own, or ``evaluator``'s read
-    from its skeleton), so that a short context that is not shorter is refused before any weights load."""
+                     evaluator: str | None, limits: dict[str, tuple[int, str]] | None = None) -> None:
+    """--key-context / --key-short against the evaluator's trained length (the model's own, unpatched, or
+    ``evaluator``'s read from its skeleton), so that a short context that is not shorter, or a long one past what the
+    evaluator can read (``limits``: :func:`context_limit` of each model, from :func:`check_fit`), is refused before
+    any weights load."""
     from ..loading import model_skeleton
     from .keytokens import key_contexts
 
-    if evaluator is not None and not context:
-        originals = {evaluator: model_info(model_skeleton(evaluator), evaluator)["original_length"]}
+    limits = dict(limits or {})
+    if evaluator is not None:
+        skeleton = model_skeleton(evaluator)
+        original = model_info(skeleton, evaluator)["original_length"]
+        originals = {evaluator: original}
+        found = context_limit(skeleton, original, saved=_saved_length(evaluator))
+        limits = {evaluator: found} if found is not None else {}
     for label, original in originals.items():
         try:
             key_contexts(context or original, short)
         except ValueError as exc:
             raise ValueError(f"--key-tokens: {label}: {exc}") from None
+        limit, why = limits.get(label, (None, ""))
+        if context and limit is not None and context > limit:
+            who = f"the evaluator {label}" if evaluator is not None else f"the evaluator (the model itself, {label})"
+            raise ValueError(f"--key-context {context} is longer than {who} learned to read: {why}. Past that its "
+                             f"long-context predictions are not ones it learned, so the key tokens it would find mean "
+                             f"nothing; give --key-context {limit} or less, or an --evaluator trained to "
+                             f"{context} tokens")
+
+
+def context_limit(skeleton, original: int | None, *, saved: int | None = None) -> tuple[int, str] | None:
+    """The longest context a key-token evaluator reads as it learned to, and why: a learned position table's rows
+    (a hard limit: past them there are no positions), else its trained length (``original``), or the length a patch
+    saved with it extends that to (``saved``); None where the model states none."""
+    from .runner import position_limit
+
+    table = position_limit(skeleton)
+    if saved:
+        return saved, f"it is saved patched to {saved} tokens"
+    if table is not None and (not original or table <= original):
+        return table, f"its position table has {table} rows"
+    if original:
+        return original, f"it was trained to {original} tokens"
+    return None
+
+
+def _saved_length(source: str) -> int | None:
+    """The length a ctxext patch saved in ``source``'s config extends it to (``patched_length``), or None."""
+    from ..core.spec import CONFIG_KEY
+    from ..loading import load_config
+
+    try:
+        saved = getattr(load_config(source), CONFIG_KEY, None)
+    except (OSError, ValueError):
+        return None
+    length = saved.get("patched_length") if isinstance(saved, dict) else None
+    return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
 
 
 def check_evaluator_tokenizer(model_tokenizer, evaluator: str, texts: list[str]) -> None:

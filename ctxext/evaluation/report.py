@@ -3,6 +3,7 @@ needle accuracy by depth x length) and the final results document."""
 
 from __future__ import annotations
 
+import errno
 import os
 import platform
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 from typing import Any, Iterator, Sequence
 
 from .plan import picture_file
+from .requests import is_unpatched_label
 
 
 def _fmt(value: Any, kind: str) -> str:
@@ -54,7 +56,8 @@ def format_report(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any
     for model in models:
         mine = [r for r in rows if r.get("model") == model["label"]]
         trained = model.get("original_length")
-        where = f"{model['label']}" + (f" (trained to {trained} tokens)" if trained else "")
+        where = f"{model['label']}" + (f" with the LoRA adapter {model['adapter']}" if model.get("adapter") else "") \
+            + (f" (trained to {trained} tokens)" if trained else "")
         for kind, field, what in (
             ("ppl", "ppl", f"perplexity ({proto})"),
             ("ppl", "ppl_last_quarter", "perplexity, last quarter of each window"),
@@ -150,7 +153,7 @@ def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path:
             pts = sorted((int(r["length"]), r["ppl"]) for r in drawn if r["label"] == label)
             # the baseline every method is read against: thick, grey-black, *under* the methods, so a method equal
             # to it (extrapolate) stays visible on top
-            unpatched = label == "none"
+            unpatched = is_unpatched_label(label)
             style = {"color": "black", "alpha": 0.55, "linestyle": "-", "marker": "o", "linewidth": 3.5,
                      "zorder": 1} if unpatched else {
                 "color": PALETTE[k % len(PALETTE)], "linestyle": LINESTYLES[k % len(LINESTYLES)],
@@ -159,7 +162,7 @@ def plot(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]], path:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label, markersize=6, **style)
         for label, lengths_out in cannot_run(mine).items():  # e.g. GPT-2 unpatched past its position table
             ax.plot(lengths_out, [0.96] * len(lengths_out), linestyle="none", marker="x", color="black"
-                    if label == "none" else "tab:red", markersize=8, transform=ax.get_xaxis_transform(), clip_on=False,
+                    if is_unpatched_label(label) else "tab:red", markersize=8, transform=ax.get_xaxis_transform(), clip_on=False,
                     label=f"{label}: cannot run")
         trained = model.get("original_length")
         lengths = sorted({int(r["length"]) for r in mine})
@@ -316,13 +319,33 @@ def results_document(plan, started, state, outcome, rows: list[dict[str, Any]]) 
 
 
 def write_pictures(plan, rows: list[dict[str, Any]], models: list[dict[str, Any]],
-                   document: dict[str, Any]) -> Iterator[tuple[str, str]]:
+                   document: dict[str, Any]) -> Iterator[tuple[str, str, str | None]]:
     """Draw the plan's pictures that the rows have data for, each written whole (a temporary file renamed into
-    place); yields (what, file) after each, so the caller can name it before the next one is drawn."""
+    place); yields (what, file, None) after each, so the caller can name it before the next one is drawn, or
+    (what, file, why) where it could not be written (a full disk: the file is named, the results are kept, and
+    ``--resume`` draws it from them); the next picture is still drawn."""
+    pictures = []
     if plan.plot and any(r.get("kind", "ppl") == "ppl" and r.get("ppl") for r in rows):
-        yield "plot", _replace(plan.plot, lambda tmp: plot(rows, models, tmp, title=plot_title(document)))
+        pictures.append(("plot", "--plot", plan.plot, lambda tmp: plot(rows, models, tmp, title=plot_title(document))))
     if plan.heatmap and needle_depths(rows):
-        yield "needle heatmap", _replace(plan.heatmap, lambda tmp: needle_heatmap(rows, models, tmp))
+        pictures.append(("needle heatmap", "--heatmap", plan.heatmap, lambda tmp: needle_heatmap(rows, models, tmp)))
+    for what, flag, target, draw in pictures:
+        try:
+            yield what, _replace(target, draw), None
+        except OSError as exc:
+            yield what, str(picture_file(Path(target))), unwritten_picture(flag, target, exc, plan)
+
+
+def unwritten_picture(flag: str, target: str, exc: OSError, plan) -> str:
+    """What to say where a picture could not be written: its file, why, and that ``--resume`` draws it."""
+    from .results import jsonl_path
+
+    why = exc.strerror or str(exc) or type(exc).__name__
+    space = "free some space, then " if exc.errno == errno.ENOSPC else ""
+    resume = "with --resume in place of --overwrite" if plan.overwrite else "with --resume"
+    return (f"{flag} {picture_file(Path(target))}: not written ({why}); the results are kept in {plan.output} "
+            f"(rows: {jsonl_path(plan.output)}): {space}run the same command again {resume} to draw it (no row is "
+            "computed again)")
 
 
 def _replace(target: str, draw) -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.errors import PatchError
-from ..methods.registry import MAX_FACTOR, METHODS, accepted_options, resolve_method
+from ..methods.registry import MAX_FACTOR, METHODS, accepted_options, resolve_method, validate_options
 from ..methods.temperature import OPTION as TEMPERATURE
 from ..methods.temperature import OPTIONS as TEMPERATURE_OPTIONS
 
@@ -15,6 +15,13 @@ NONE = "none"
 #: how ``none`` with an attention temperature is applied: the model's own frequencies and length (``extrapolate``
 #: x1 changes neither), with the temperature in front of its attention
 NONE_WITH_TEMPERATURE = ("extrapolate", 1.0)
+#: What the rows of a model evaluated with a LoRA adapter (``--adapter``) add to their method label.
+ADAPTER_SUFFIX = " +LoRA"
+
+
+def is_unpatched_label(label: str) -> bool:
+    """Whether a row label names the model without a patch (``none``; ``none +LoRA`` with an adapter)."""
+    return label in (NONE, NONE + ADAPTER_SUFFIX)
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,22 @@ class MethodRequest:
 
     def key(self) -> tuple[str, float | None]:
         return (self.method, self.factor)
+
+    def matches(self, spec: dict[str, Any] | None) -> bool:
+        """Whether this request is the patch ``spec`` (a ``ctxext.describe`` dict) describes: the same method, factor
+        and options once the options' defaults are filled in. ``none`` matches no patch."""
+        call = self.patch_call()
+        if call is None or not isinstance(spec, dict) or self.method == NONE:
+            return False
+        method, factor, options = call
+        try:
+            info = resolve_method(method)
+            resolved = validate_options(info, options)
+        except (PatchError, ValueError):
+            return False
+        same_factor = (factor is None) == (spec.get("factor") is None) and (
+            factor is None or float(factor) == float(spec["factor"]))
+        return info.name == spec.get("method") and same_factor and resolved == (spec.get("options") or {})
 
     def patch_call(self) -> tuple[str, float | None, dict[str, Any]] | None:
         """The ``ctxext.patch`` arguments of this request; None for the unpatched model (``none`` with no options).

@@ -304,6 +304,14 @@ class ResultStore:
         self.rows[row_key(row)] = row
         if not self.enabled:
             return
+        try:
+            self._write(row)
+        except OSError as exc:  # a full disk names no file: say which, and what is kept
+            raise OSError(f"--output {self.output}: a finished row could not be written to its rows file {self.jsonl} "
+                          f"({exc.strerror or exc}); the rows written before it are kept: run the same command again "
+                          "with --resume to continue") from exc
+
+    def _write(self, row: dict[str, Any]) -> None:
         line = json.dumps(row) + "\n"
         if not self._append:  # a fresh run: header and first row replace whatever was there, in one rename
             self.output.parent.mkdir(parents=True, exist_ok=True)
@@ -342,5 +350,10 @@ class ResultStore:
         that produced nothing leaves an earlier result in place."""
         if not self.enabled or not self.rows or not self._append:
             return None
-        _atomic_write(self.output, json.dumps(document, indent=2, default=str) + "\n")
+        try:
+            _atomic_write(self.output, json.dumps(document, indent=2, default=str) + "\n")
+        except OSError as exc:  # a full disk names no file: say which, and that the rows are safe
+            raise OSError(f"--output {self.output}: not written ({exc.strerror or exc}); the finished rows "
+                          f"are kept in {self.jsonl}: run the same command again with --resume to write it (no row "
+                          "is computed again)") from exc
         return self.output

@@ -18,7 +18,7 @@ from .models import model_info
 from .passkey import DEFAULT_DEPTHS, passkey_accuracy, passkey_prompt_check
 from .keytokens import key_masks, needed_ranges
 from .perplexity import plan_documents, score_documents
-from .requests import MethodChoice, MethodRequest, check_request
+from .requests import ADAPTER_SUFFIX, MethodChoice, MethodRequest, check_request
 from .results import ResultStore, row_key
 from .tasks import Encoder, check_length, task_accuracy
 from .tasks import sources as task_sources
@@ -178,12 +178,29 @@ class Runner:
             if not task_plan and not (s.perplexity or (s.passkey and job.passkey != PASSKEY_NOT)):
                 return  # nothing to measure: the weights are not loaded
         model = job.load_model(self.state)
+        try:
+            self._run_model(job, model, tokenizer, docs, sources, task_plan)
+        finally:
+            if describe(model) is not None:
+                unpatch(model)
+            del model
+
+    def _unpatched(self, model) -> None:
+        """Take the model's patch off (the one it loaded with, or a request's): the next request starts from the
+        model without a patch."""
+        if describe(model) is not None:
+            unpatch(model)
+
+    def _run_model(self, job: ModelJob, model, tokenizer, docs, sources, task_plan) -> None:
+        s = self.settings
         info = model_info(model, job.info.get("model", job.label), label=job.label, **{k: v for k, v in job.info.items() if k != "model"})
         info["tokens"] = sum(int(d.numel()) for d in docs)
         info["methods"] = {}
         self.outcome.models.append(info)
-        if describe(model) is not None:
-            unpatch(model)  # every request below is applied to the unpatched model
+        # the patch the model loaded with (saved in its config, or recorded beside its --adapter): the request that
+        # names it is evaluated on the model exactly as loaded, before anything unpatches it (an adapter may have
+        # trained patched modules, e.g. GPT-2's interpolated position table, that a re-applied patch would not have)
+        loaded = describe(model)
         lengths = self._lengths(info)
         longest = max(int(d.numel()) for d in docs)
         usable = []
@@ -197,18 +214,22 @@ class Runner:
                 usable.append(length)
         requests = []
         for req in self._requests(job, model, info, lengths):
-            try:
-                check_request(model, req)
-            except PatchError as exc:
-                if s.methods.given is None:  # the default set: a method that fits the family but not these settings
-                    self.log(f"{job.label}: {req.label} skipped: {exc}")
-                else:
-                    self.error(f"{job.label}: {exc}")
-                continue
+            if not req.matches(loaded):  # the loaded patch fits as it is; any other is checked on the plain model
+                self._unpatched(model)
+                try:
+                    check_request(model, req)
+                except PatchError as exc:
+                    if s.methods.given is None:  # the default set: a method that fits the family but not these settings
+                        self.log(f"{job.label}: {req.label} skipped: {exc}")
+                    else:
+                        self.error(f"{job.label}: {exc}")
+                    continue
             requests.append(req)
         self._masks = None
         if s.key_tokens and s.perplexity and any(self.store.done(("ppl", job.label, r.method, r.factor, n)) is None
                                                  for r in requests for n in usable):  # not when every row resumed
+            if job.load_evaluator is None:
+                self._unpatched(model)  # the model itself, unpatched, is the evaluator
             self._masks = self._key_masks(job, model, info, docs, usable)
         plan = [("ppl", L) for L in usable] if s.perplexity else []
         if s.passkey and job.passkey != PASSKEY_NOT:
@@ -223,49 +244,57 @@ class Runner:
         if s.tasks:
             plan += task_plan if task_plan is not None else self._task_plan(job, sources, lengths)
         plan.sort(key=lambda p: (p[1], p[0] != "ppl"))
+        keys = []
         for req in requests:
-            keys = [(kind, job.label, req.method, req.factor, L) for kind, L in plan]
-            self.outcome.planned.extend(keys)
-            todo = [k for k in keys if self.store.done(k) is None]
+            keys.append([(kind, job.label, req.method, req.factor, L) for kind, L in plan])
+            self.outcome.planned.extend(keys[-1])
+            for key in keys[-1]:  # a row resumed from a run that labelled it otherwise (before adapter labels)
+                done = self.store.done(key)
+                if done is not None and done.get("label") != row_label(req, job):
+                    done["label"] = row_label(req, job)
+        # the request that is the loaded patch first, while the model is still as loaded
+        current = describe(model)
+        for number in sorted(range(len(requests)), key=lambda n: not requests[n].matches(current)):
+            req, label = requests[number], row_label(requests[number], job)
+            todo = [k for k in keys[number] if self.store.done(k) is None]
             if not todo:
                 continue
-            try:
-                call = req.patch_call()
-                if call is not None:
-                    method, factor, options = call
-                    patch(model, method, factor, **options)
-            except PatchError as exc:
-                self.error(f"{job.label}: {exc}")
-                continue
+            if not (loaded is not None and req.matches(loaded) and describe(model) == loaded):
+                self._unpatched(model)
+                loaded = None  # the model as loaded is gone: a later request matching it is applied again
+                try:
+                    call = req.patch_call()
+                    if call is not None:
+                        method, factor, options = call
+                        patch(model, method, factor, **options)
+                except PatchError as exc:
+                    self.error(f"{job.label}: {exc}")
+                    continue
             spec = describe(model)
-            info["methods"][req.label] = spec
+            info["methods"][label] = spec
             limit = position_limit(model)
-            try:
-                for kind, _, _, _, length in todo:
-                    where = f"{job.label} {req.label} L={length}"
-                    if limit is not None and length > limit:
-                        # a learned position table (GPT-2's wpe) has no row for these positions
-                        row = {"ppl": None, "accuracy": None,
-                               "not_applicable": f"the position table has {limit} rows; length {length} needs more"}
-                        self.log(f"{where}: n/a ({row['not_applicable']})")
-                    else:
-                        try:
-                            row = self._score(kind, model, tokenizer, docs, length, sources)
-                        except ValueError as exc:
-                            self.error(f"{where}: {exc}")
-                            continue
-                    ident = dict(kind=kind, model=job.label, method=req.method, factor=req.factor, length=length,
-                                 label=req.label)
-                    row = {**ident, **{k: v for k, v in row.items() if k not in ident}, "spec": spec}
-                    self.store.add(row)
-                    if "not_applicable" not in row:
-                        self.log(_progress_line(row))
-            finally:
-                if describe(model) is not None:
-                    unpatch(model)
+            for kind, _, _, _, length in todo:
+                where = f"{job.label} {label} L={length}"
+                if limit is not None and length > limit:
+                    # a learned position table (GPT-2's wpe) has no row for these positions
+                    row = {"ppl": None, "accuracy": None,
+                           "not_applicable": f"the position table has {limit} rows; length {length} needs more"}
+                    self.log(f"{where}: n/a ({row['not_applicable']})")
+                else:
+                    try:
+                        row = self._score(kind, model, tokenizer, docs, length, sources)
+                    except ValueError as exc:
+                        self.error(f"{where}: {exc}")
+                        continue
+                ident = dict(kind=kind, model=job.label, method=req.method, factor=req.factor, length=length,
+                             label=label)
+                row = {**ident, **{k: v for k, v in row.items() if k not in ident}, "spec": spec}
+                self.store.add(row)
+                if "not_applicable" not in row:
+                    self.log(_progress_line(row))
         for req in requests:  # labels of rows finished in an earlier (resumed) run
-            info["methods"].setdefault(req.label, None if req.patch_call() is None else _spec_of(self.store, job.label, req))
-        del model
+            info["methods"].setdefault(row_label(req, job),
+                                       None if req.patch_call() is None else _spec_of(self.store, job.label, req))
 
     def _key_masks(self, job: ModelJob, model, info: dict[str, Any], docs, usable: list[int]):
         """The key tokens among every target the perplexity windows will score, found once per model by the
@@ -336,6 +365,11 @@ class Runner:
         if kind == "ppl":
             row["batch_size"] = s.batch_for(length)
         return row
+
+
+def row_label(req: MethodRequest, job: ModelJob) -> str:
+    """The label of ``req``'s rows: the method's, with ``+LoRA`` where the model was loaded with an adapter."""
+    return req.label + (ADAPTER_SUFFIX if job.info.get("adapter") else "")
 
 
 def position_limit(model) -> int | None:

@@ -38,7 +38,8 @@ def open_run(plan) -> Iterator[Any]:
         if state.is_main_process:
             stack.enter_context(OutputLock(plan.output, "--output"))
             # X.json and X.txt keep their rows in one X.jsonl: a run on the other name must wait for this one too
-            stack.enter_context(OutputLock(jsonl_path(plan.output), "the rows file of --output"))
+            rows = jsonl_path(plan.output)
+            stack.enter_context(OutputLock(rows, "--output", subject=f"--output {plan.output}: its rows file {rows}"))
             check_output(plan.output, resume=plan.resume, overwrite=plan.overwrite)  # again: another run may have ended
         yield state
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from .requests import NONE, is_unpatched_label
+
 #: Perplexity ratios (vs unpatched at 1x) from which the unpatched model "fails" / "degrades".
 FAILS = 2.0
 DEGRADES = 1.3
@@ -179,7 +181,9 @@ def verdicts(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]]) -
         trained = model.get("original_length")
         if not trained:
             continue
-        mine = [r for r in rows if r.get("model") == model["label"]]
+        # the unpatched row of a model with a LoRA adapter ("none +LoRA") is its unpatched row
+        mine = [dict(r, label=NONE) if is_unpatched_label(str(r.get("label"))) else r
+                for r in rows if r.get("model") == model["label"]]
         sentence = _perplexity_verdict(model["label"], [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
         passkey, passkey_misses = _passkey_verdict([r for r in mine if r.get("kind") == "passkey"],
                                                    [r for r in mine if r.get("kind", "ppl") == "ppl"], int(trained))
