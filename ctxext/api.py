@@ -7,6 +7,7 @@ import copy
 import functools
 import itertools
 import numbers
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,8 +16,9 @@ from torch import nn
 from .adapters import ADAPTERS, find_adapter
 from .adapters.base import Restore, copy_restore, run_all
 from .core.active import ACTIVE as _ACTIVE
+from .core.active import PATCH_LOCK, active_patch, foreign_owner, mark_patched, model_name, own_patch, patch_name
 from .core.active import base_model, describe, require_transformers_model  # base_model, describe: public here too
-from .core.active import pickle_refusal
+from .core.active import patched_parts, pickle_refusal, unmark_patched
 from .core.errors import PatchError
 from .core.own_config import own_config
 from .methods.temperature import OPTION as TEMPERATURE
@@ -60,11 +62,15 @@ class _ActivePatch:
     ``copy.deepcopy(model)`` copies it through the model's memo (``__deepcopy__``): the undo tree then acts on the
     copy's modules, tensors and configs, so the copy is an independent patched model (``copy_restore``). Pickling
     it (``pickle.dumps(model)``, ``torch.save(model)``) raises ``PatchError`` saying how to save a patched model:
-    the undo tree holds functions, and module-level dispatchers that a pickle cannot carry."""
+    the undo tree holds functions, and module-level dispatchers that a pickle cannot carry.
+
+    ``model`` is a weak reference to the patched model, so that a deep copy of it counts as patched too (the owner of
+    its modules: ``ctxext.core.active.foreign_owner``)."""
 
     spec: PatchSpec
     restore: Restore
     config_before: dict[str, Any]
+    model: Any = None
 
     def __deepcopy__(self, memo: dict) -> _ActivePatch:
         new = object.__new__(type(self))
@@ -72,10 +78,16 @@ class _ActivePatch:
         new.spec = copy.deepcopy(self.spec, memo)
         new.config_before = copy.deepcopy(self.config_before, memo)
         new.restore = copy_restore(self.restore, memo)
+        new.model = None
+        model = self.model() if self.model is not None else None
+        copied = memo.get(id(model)) if model is not None else None  # the model's copy, made first (its memo)
+        if copied is not None:
+            new.model = weakref.ref(copied)
+            mark_patched(copied)
         return new
 
     def __copy__(self) -> _ActivePatch:
-        return type(self)(self.spec, self.restore, self.config_before)
+        return type(self)(self.spec, self.restore, self.config_before, self.model)
 
     def __reduce_ex__(self, protocol):
         raise pickle_refusal(self.spec)
@@ -119,10 +131,16 @@ def patch(model: nn.Module, method: str, factor: float | None = None, *, replace
     float, numpy or 0-d torch scalar) in [1, ``MAX_FACTOR``]. While patched, ``save_pretrained`` writes a
     ``config.json`` that plain transformers refuses (see ``ctxext.core.spec``); ``ctxext.from_pretrained`` reloads it.
     Bad input raises ``PatchError`` before anything changes.
+
+    A patch of a sub-model inside ``model`` (``ctxext.patch(model.model, ...)``) counts as ``model``'s: it is
+    refused the same way, and ``replace=True`` replaces it. A module that another patched model also holds (one
+    module object in two models) is refused, naming that model. Patches of one process are applied one at a time
+    (a thread waits for another's patch, then finds the model patched).
     """
     model = base_model(model, "ctxext.patch")
     try:
-        return _patch(model, method, factor, replace, options)
+        with PATCH_LOCK:
+            return _patch(model, method, factor, replace, options)
     except (NotImplementedError, RuntimeError) as exc:  # raised before any change, or after apply undid its part
         if "meta" in str(exc) and any(t.is_meta for t in itertools.chain(model.parameters(), model.buffers())):
             raise PatchError(f"{type(model).__name__} holds tensors on the meta device (no values: built under "
@@ -140,13 +158,26 @@ def _patch(model: nn.Module, method: str, factor, replace: bool, options: dict) 
         )
     if not isinstance(replace, bool):
         raise PatchError(f"replace must be True or False, got {replace!r}")
-    if getattr(model, _ACTIVE, None) is not None:
+    parts = patched_parts(model) if own_patch(model) is None else []
+    if parts:  # a patch of a sub-model acts on this model too
+        name, part = parts[0]
         if not replace:
-            active = getattr(model, _ACTIVE).spec
             raise PatchError(
-                f"model is already patched ({active.method}, factor {active.factor}); "
-                "call ctxext.unpatch(model) first or pass replace=True"
+                f"model is already patched: its sub-model {name!r} ({model_name(part)}) holds a ctxext patch "
+                f"({patch_name(own_patch(part))}), which acts on this model too; call ctxext.unpatch(model) first "
+                "(it removes that patch) or pass replace=True"
             )
+        return _replace_parts(model, parts, method, factor, options)
+    if getattr(model, _ACTIVE, None) is not None and not replace:
+        active = getattr(model, _ACTIVE).spec
+        raise PatchError(
+            f"model is already patched ({active.method}, factor {active.factor}); "
+            "call ctxext.unpatch(model) first or pass replace=True"
+        )
+    refusal = foreign_owner(model)  # a module of it is another patched model's
+    if refusal is not None:
+        raise PatchError(f"cannot patch {model_name(model)}: {refusal}")
+    if getattr(model, _ACTIVE, None) is not None:
         spec, adapter = _spec_for_replace(model, method, factor, options)
         replaced = getattr(model, _ACTIVE).spec
         unpatch(model)
@@ -183,8 +214,11 @@ def _patch(model: nn.Module, method: str, factor, replace: bool, options: dict) 
         if adapter.length_attr and config_before[adapter.length_attr] is _MISSING:
             block[LENGTH_ABSENT_KEY] = True  # a reload leaves the attribute out again (take_saved_spec)
         setattr(config, CONFIG_KEY, block)
-        setattr(model, _ACTIVE, _ActivePatch(spec, functools.partial(run_all, undo), config_before))
+        setattr(model, _ACTIVE, _ActivePatch(spec, functools.partial(run_all, undo), config_before,
+                                             weakref.ref(model)))
+        mark_patched(model)
     except BaseException:
+        unmark_patched(model)
         if getattr(model, _ACTIVE, None) is not None:
             delattr(model, _ACTIVE)
         run_all(undo)
@@ -198,6 +232,25 @@ def _patch(model: nn.Module, method: str, factor, replace: bool, options: dict) 
             put_back_config()
         raise
     return model
+
+
+def _replace_parts(model: nn.Module, parts: list[tuple[str, nn.Module]], method, factor, options) -> nn.Module:
+    """``replace=True`` on a model whose sub-models hold the patch: unpatch them, then patch ``model``; where that
+    fails, the sub-models' patches go back on. The request is checked first, so bad input changes nothing."""
+    info = resolve_method(method)
+    validate_factor(info, factor)
+    validate_options(info, options)
+    removed = []
+    try:
+        for _, part in parts:
+            spec = own_patch(part).spec
+            _unpatch(part)
+            removed.append((part, spec))
+        return _patch(model, method, factor, False, options)
+    except BaseException:
+        for part, spec in reversed(removed):
+            _patch(part, spec.method, spec.factor, False, dict(spec.options))
+        raise
 
 
 def _spec_for_replace(model, method, factor, options):
@@ -218,6 +271,11 @@ def take_saved_spec(model: nn.Module) -> PatchSpec | None:
     """Remove a patch spec saved in the config of a freshly loaded model and restore the advertised length it had
     before that patch. ``ctxext.from_pretrained`` re-applies the returned spec."""
     model = base_model(model, "ctxext.take_saved_spec")
+    with PATCH_LOCK:
+        return _take_saved_spec(model)
+
+
+def _take_saved_spec(model: nn.Module) -> PatchSpec | None:
     saved = getattr(model.config, CONFIG_KEY, None)
     if not saved or getattr(model, _ACTIVE, None) is not None:
         return None
@@ -242,18 +300,31 @@ def take_saved_spec(model: nn.Module) -> PatchSpec | None:
 
 
 def unpatch(model: nn.Module) -> nn.Module:
-    """Undo ``patch``: original frequencies/tables/attention and config values, bit-exact."""
+    """Undo ``patch``: original frequencies/tables/attention and config values, bit-exact. Where the patch is a
+    sub-model's inside ``model`` (``ctxext.patch(model.model, ...)``), that one is undone."""
     model = base_model(model, "ctxext.unpatch")
-    active: _ActivePatch | None = getattr(model, _ACTIVE, None)
-    if active is None:
-        raise PatchError("model is not patched by ctxext")
+    with PATCH_LOCK:
+        if own_patch(model) is not None:
+            _unpatch(model)
+            return model
+        parts = patched_parts(model)
+        if not parts:
+            raise PatchError("model is not patched by ctxext")
+        for _, part in parts:
+            if own_patch(part) is not None:
+                _unpatch(part)
+        return model
+
+
+def _unpatch(model: nn.Module) -> None:
+    active: _ActivePatch = getattr(model, _ACTIVE)
     active.restore()
     for key, value in active.config_before.items():
         _set_config(model.config, key, value)
     if hasattr(model.config, CONFIG_KEY):
         delattr(model.config, CONFIG_KEY)
     delattr(model, _ACTIVE)
-    return model
+    unmark_patched(model)
 
 
 @contextlib.contextmanager
@@ -289,7 +360,10 @@ def dynamic_length(model: nn.Module, length: int):
     if isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1:
         raise PatchError(f"dynamic_length needs the sequence's total length in tokens, a whole number >= 1; got "
                          f"{length!r}")
-    release = None if getattr(plain, _ACTIVE, None) is None else find_adapter(plain).plan_length(plain, int(length))
+    with PATCH_LOCK:
+        found = active_patch(plain)
+    holder = found[0] if found is not None else None
+    release = None if holder is None else find_adapter(holder).plan_length(holder, int(length))
     if release is None:
         per_sequence = " or ".join(repr(m.name) for m in METHODS.values() if m.per_sequence)
         raise PatchError(f"dynamic_length needs a model patched with method {per_sequence}")

@@ -197,7 +197,14 @@ class _PlannedGenerate:
 
 
 def _wrap_generate(model: nn.Module) -> Restore:
-    return set_on_instance(model, "generate", _PlannedGenerate(model, model.generate))
+    generate = getattr(model, "generate", None)
+    if generate is None:  # a base model (LlamaModel) generates nothing; dynamic_length plans its cached decodes
+        return _nothing
+    return set_on_instance(model, "generate", _PlannedGenerate(model, generate))
+
+
+def _nothing() -> None:
+    """The undo of a step that changed nothing."""
 
 
 class RotaryAdapter(Adapter):

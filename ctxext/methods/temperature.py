@@ -41,6 +41,16 @@ OPTIONS = (OPTION, "beta", "floor", "s")
 KINDS = (Kind.FREQUENCY, Kind.LENGTH, Kind.REMAP)
 #: Defaults: ``beta`` as Llama 4 / Ministral 3 ship it; ``floor`` and ``s`` from the original length (None here).
 BETA = 0.1
+#: The largest ``beta`` and ``s`` accepted (bounded as the factor is, far past any real value: Llama 4 ships beta
+#: 0.1, SSMax's default s is 1 / log(L), about 0.1, and its learned values stay below 1). Past them, the attention
+#: is all but an argmax, and a large enough value makes every logit non-finite.
+MAX_BETA = 10.0
+MAX_S = 10.0
+#: The largest ``floor``: 2**31 - 1 positions, as the methods' whole-number options.
+MAX_FLOOR = 2**31 - 1
+#: How far past the original length a temperature must stay finite: the largest factor
+#: (``ctxext.methods.registry.MAX_FACTOR``, which imports this module; a test keeps the two equal).
+HORIZON = 1024
 
 
 def takes_temperature(method: Method) -> bool:
@@ -87,18 +97,34 @@ def _number(key: str, value: Any, form: str) -> float | int:
         number = float(value)
     except (TypeError, ValueError):
         raise PatchError(f"option {key!r} of {OPTION}={form} must be a number, got {value!r}") from None
+    except OverflowError:  # an int past float's range
+        number = math.inf
     if not math.isfinite(number):
-        raise PatchError(f"option {key!r} of {OPTION}={form} must be finite, got {value!r}")
+        raise PatchError(f"option {key!r} of {OPTION}={form} must be finite, got {_shown(value)}")
     if key == "floor":
         if not number.is_integer() or number < 1:
             raise PatchError(f"option 'floor' of {OPTION}={form} must be a whole number of positions >= 1, "
                              f"got {value!r}")
+        if number > MAX_FLOOR:
+            raise PatchError(f"option 'floor' of {OPTION}={form} is {_shown(value)}, above the maximum {MAX_FLOOR} "
+                             f"positions; pass a floor between 1 and {MAX_FLOOR}")
         return int(number)
     if key == "beta" and number < 0:
         raise PatchError(f"option 'beta' of {OPTION}={form} must be >= 0 (0: no temperature), got {value!r}")
+    if key == "beta" and number > MAX_BETA:
+        raise PatchError(f"option 'beta' of {OPTION}={form} is {_shown(value)}, above the maximum {MAX_BETA:g} "
+                         f"(Llama 4 and Ministral 3 ship {BETA}); pass a beta between 0 and {MAX_BETA:g}")
     if key == "s" and number <= 0:
         raise PatchError(f"option 's' of {OPTION}={form} must be > 0, got {value!r}")
+    if key == "s" and number > MAX_S:
+        raise PatchError(f"option 's' of {OPTION}={form} is {_shown(value)}, above the maximum {MAX_S:g} (the default "
+                         f"is 1 / log of the original length, about 0.1); pass an s above 0 and at most {MAX_S:g}")
     return number
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 @dataclass(frozen=True)
@@ -120,7 +146,23 @@ class Temperature:
             return None
         if not isinstance(original_length, int) or original_length < 2:
             raise PatchError(f"{OPTION}={form} needs the model's original length (at least 2), got {original_length!r}")
-        return cls(form, original_length, float(options.get("beta", BETA)), options.get("floor"), options.get("s"))
+        made = cls(form, original_length, float(options.get("beta", BETA)), options.get("floor"), options.get("s"))
+        made.check_finite()
+        return made
+
+    def check_finite(self) -> None:
+        """``PatchError`` where a query's factor is not a finite float32 number at some position up to the longest
+        context any patch reaches (the original length times the largest factor): the logits would be non-finite.
+        Every form is monotone in the position, so the two ends are enough."""
+        last = self.original_length * HORIZON
+        factors = self(torch.tensor([0, 1, self.original_length, last], dtype=torch.float64))
+        if not bool(torch.isfinite(factors).all()):
+            params = {"beta": self.beta, "floor": self.floor} if self.form == "llama4" else \
+                {"s": self.s} if self.form == "ssmax" else {}
+            given = ", ".join(f"{k}={v!r}" for k, v in params.items() if v is not None)
+            raise PatchError(f"{OPTION}={self.form}{' with ' + given if given else ''} gives a non-finite attention "
+                             f"factor by position {last} (original length {self.original_length} x {HORIZON}): "
+                             "every logit there would be non-finite; use smaller parameters")
 
     def __call__(self, positions: torch.Tensor) -> torch.Tensor:
         p = positions.to(torch.float64)
