@@ -269,3 +269,15 @@ def test_the_temperature_horizon_is_the_largest_factor():
     from ctxext.methods.registry import MAX_FACTOR
 
     assert temperature.HORIZON == MAX_FACTOR
+
+
+@pytest.mark.parametrize("options", [{"attention_factor": 1e300}, {"attention_factor": 11.0},
+                                     {"mscale": 1e300, "mscale_all_dim": 1e-300}, {"mscale_all_dim": 1e300}])
+def test_yarn_temperature_options_are_bounded(options):
+    """Like the temperature's beta: an unbounded yarn attention factor (or mscale) made every logit non-finite."""
+    model = tiny_llama()
+    with pytest.raises(ctxext.PatchError, match=f"option {next(iter(options))} of method 'yarn'"):
+        ctxext.patch(model, "yarn", 4, **options)
+    assert ctxext.describe(model) is None
+    ctxext.patch(model, "yarn", 4, attention_factor=1.2, mscale=1.0, mscale_all_dim=0.707)  # published values stay
+    assert torch.isfinite(model(torch.arange(1, 20)[None]).logits).all()

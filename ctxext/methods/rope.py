@@ -161,12 +161,20 @@ def check_yarn_options(options: dict) -> None:
         raise PatchError(f"option beta_fast of method 'yarn' must be greater than beta_slow (dimensions rotating more "
                          f"than beta_fast times are kept, fewer than beta_slow interpolated), got beta_fast={fast}, "
                          f"beta_slow={slow}")
-    if options["attention_factor"] is not None and options["attention_factor"] <= 0:
-        raise PatchError(f"option attention_factor of method 'yarn' must be > 0 (it scales every attention logit), "
-                         f"got {options['attention_factor']}")
+    factor = options["attention_factor"]
+    if factor is not None and not 0 < factor <= MAX_ATTENTION_FACTOR:
+        raise PatchError(f"option attention_factor of method 'yarn' must be > 0 and at most {MAX_ATTENTION_FACTOR:g} "
+                         f"(it scales every attention logit; YaRN's own is about 1.0-1.5), got {factor}")
     for key in ("mscale", "mscale_all_dim"):
-        if options[key] is not None and options[key] < 0:
-            raise PatchError(f"option {key} of method 'yarn' must be >= 0 (0: off), got {options[key]}")
+        if options[key] is not None and not 0 <= options[key] <= MAX_MSCALE:
+            raise PatchError(f"option {key} of method 'yarn' must be between 0 (off) and {MAX_MSCALE:g} (DeepSeek's "
+                             f"configs use about 1), got {options[key]}")
+
+
+#: Upper bounds of yarn's temperature options: far above any published value, low enough that the attention factor
+#: stays finite (an unbounded one, e.g. 1e300, makes every logit non-finite).
+MAX_ATTENTION_FACTOR = 10.0
+MAX_MSCALE = 100.0
 
 
 def check_llama3_options(options: dict) -> None:
