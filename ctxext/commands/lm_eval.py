@@ -116,7 +116,8 @@ def _lm_eval_main() -> None:
     except ImportError:  # older lm-eval: one flat command
         from lm_eval.__main__ import cli_evaluate
 
-        cli_evaluate()
+        with lm_eval_compat.git_hash_quietly():
+            cli_evaluate()
         return
     parser = HarnessCLI()
     parsed = parser.parse_args()  # lm-eval's own usage errors (exit 2) and --help (exit 0) come first
@@ -124,7 +125,8 @@ def _lm_eval_main() -> None:
         if getattr(parsed, "command", None) == "run":
             precheck(parsed)  # then ours, before any model or task loads
         setup_logging()
-        parser.execute(parsed)
+        with lm_eval_compat.git_hash_quietly():
+            parser.execute(parsed)
 
 
 def _model_args_tokens(argv: list[str]) -> list[str]:

@@ -8,6 +8,9 @@ it is not installed), while ``ctxext.integrations.lm_eval`` is imported only onc
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
 from collections.abc import Callable
 
 #: The lm-eval release these reaches were checked on.
@@ -98,6 +101,7 @@ __all__ = [
     "HFLM_HOOKS",
     "TESTED_LM_EVAL",
     "check_hflm_hooks",
+    "git_hash_quietly",
     "harness_cli",
     "loaded_model",
     "max_length_argument",
@@ -106,3 +110,37 @@ __all__ = [
     "set_config",
     "task_index",
 ]
+
+
+@contextlib.contextmanager
+def git_hash_quietly():
+    """lm-eval records the git commit of the working directory in its results with ``git describe --always``, git's
+    stderr not redirected: run outside a git checkout, every run printed ``fatal: not a git repository``. While
+    ctxext's lm-eval runs, the same call with only git's own stderr discarded: the same hash where there is one, and
+    lm-eval's own fallback (the ``.git`` folder read directly, else none) where git fails or is missing."""
+    try:
+        import lm_eval.evaluator as evaluator
+        from lm_eval.loggers import utils
+    except ImportError:
+        yield
+        return
+    original = getattr(utils, "get_git_commit_hash", None)
+    if original is None:
+        yield
+        return
+
+    def get_git_commit_hash():
+        try:
+            return subprocess.check_output(["git", "describe", "--always"], stderr=subprocess.DEVNULL).strip().decode()
+        except (subprocess.CalledProcessError, OSError):
+            from_path = getattr(utils, "get_commit_from_path", None)
+            return from_path(os.getcwd()) if from_path else None
+
+    patched = [m for m in (evaluator, utils) if getattr(m, "get_git_commit_hash", None) is original]
+    for module in patched:
+        module.get_git_commit_hash = get_git_commit_hash
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.get_git_commit_hash = original

@@ -9,6 +9,8 @@ call sites imported it lazily before.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Callable
 
 # -- the attention implementation ---------------------------------------------------------------------------------
@@ -139,9 +141,21 @@ __all__ = [
     "can_set_attn_implementation",
     "model_attention_function",
     "mpt_alibi_tensor_builder",
+    "peft_wrap_quietly",
     "restore_attn_implementation",
     "sdpa_attention",
     "set_attn_implementation",
     "stored_attn_implementation",
     "wrap_instance_builder",
 ]
+
+
+@contextlib.contextmanager
+def peft_wrap_quietly():
+    """peft's ``get_peft_model`` reads transformers' deprecated ``model.is_gradient_checkpointing`` (peft <= 0.21 with
+    transformers >= 5), a FutureWarning on every fine-tune that neither ctxext nor the user can act on. Only that
+    warning, only while ctxext wraps the model; the user's own warnings and every other one are left as they are."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`?is_gradient_checkpointing`? is deprecated",
+                                category=FutureWarning)
+        yield
