@@ -157,6 +157,7 @@ def build_model(name: str, tokenizer, length: int = TRAIN_LENGTH):
             n_head=HEADS,
             hidden_dropout=0.0,
             attention_dropout=0.0,
+            max_position_embeddings=length,  # ALiBi reads no length: said for ctxext and lm-eval (else 2048)
             attn_implementation="eager",
             **common,
         )

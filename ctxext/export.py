@@ -55,6 +55,11 @@ from .core.spec import CONFIG_KEY, NATIVE_KEY, TENSORS_KEY, PatchSpec
 
 #: The file (beside the weights) holding tensors the native form replaced: GPT-2's original position table.
 ORIGINAL_TENSORS = "ctxext_original_positions.safetensors"
+#: The patch record beside a LoRA adapter trained on a patched model, which ``ctxext.from_pretrained(base,
+#: adapter=DIR)`` applies again: written by a ctxext fine-tune, and by every adapter save of a patched model (peft's
+#: ``PeftModel.save_pretrained``, transformers' ``save_pretrained`` of a model with ``add_adapter``), see
+#: :func:`write_adapter_record`.
+ADAPTER_RECORD = "ctxext_patch.json"
 
 
 # -- deciding the native form --------------------------------------------------------------------------------------
@@ -119,6 +124,11 @@ def _save_pretrained(self: nn.Module, save_directory, *args, **kwargs):
     original = functools.partial(type(self).save_pretrained, self)
     if not isinstance(vars(self.config).get(CONFIG_KEY), dict):  # the record was dropped (a baked table)
         return original(save_directory, *args, **kwargs)
+    if getattr(self, "_hf_peft_config_loaded", False):  # transformers' own adapters (add_adapter): it saves the
+        result = original(save_directory, *args, **kwargs)  # adapter alone, without config.json
+        if kwargs.get("is_main_process", True):
+            write_adapter_record(self, [Path(save_directory)])
+        return result
     try:
         form = native_form(self)
     except NoNativeForm:
@@ -143,10 +153,97 @@ def _native_state_dict(model: nn.Module, given: dict, form: NativeForm) -> dict:
 def install_save_hook(model: nn.Module) -> Callable[[], None]:
     """Make ``model.save_pretrained`` (and ``push_to_hub``, which saves through it) write the native form of the
     active patch where one exists (else the marked checkpoint of ``ctxext.core.spec``). A bound method, so a deep copy of
-    the model saves itself. Returns the undo."""
+    the model saves itself. Returns the undo. Also makes sure that peft's adapter save records the patch
+    (:func:`install_adapter_record`)."""
     from .core.undo import set_on_instance
 
+    install_adapter_record()
     return set_on_instance(model, "save_pretrained", types.MethodType(_save_pretrained, model))
+
+
+# -- the patch record beside an adapter ----------------------------------------------------------------------------
+
+
+def write_adapter_record(model: nn.Module, folders: list[Path]) -> None:
+    """Beside an adapter saved from ``model`` (each of ``folders``): ``ADAPTER_RECORD`` with the patch the model
+    has; where it has none, no such file (one left by an earlier save would apply a patch the adapter was not
+    trained with)."""
+    from .core.active import describe
+    from .core.errors import PatchError
+
+    try:
+        spec = describe(model)
+    except PatchError:  # not a transformers model inside: nothing ctxext patched
+        return
+    for folder in folders:
+        path = Path(folder) / ADAPTER_RECORD
+        if spec is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_text(json.dumps(spec, indent=2) + "\n", encoding="utf-8")
+
+
+@contextlib.contextmanager
+def _quiet_reference_base(model: nn.Module):
+    """While peft saves an adapter whose base is a shipped reference checkpoint, named ``reference:NAME``
+    (``ctxext.loading.name_model``): without peft's warning that it finds no config.json under that name (it looks
+    for one to see whether the vocabulary was resized; ctxext never resizes it)."""
+    import warnings
+
+    from .core.shipped import reference_name
+
+    base = getattr(model, "get_base_model", lambda: model)()
+    if reference_name(getattr(base, "name_or_path", None)) is None:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Could not find a config file in (ctxext\.)?reference:")
+        yield
+
+
+def _peft_save_pretrained(original: Callable) -> Callable:
+    """``PeftModel.save_pretrained``, then the patch record beside each adapter folder it wrote."""
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        with _quiet_reference_base(self):
+            result = original(self, save_directory, *args, **kwargs)
+        try:
+            given = signature.bind(self, save_directory, *args, **kwargs).arguments
+        except TypeError:
+            given = {}
+        if given.get("is_main_process", True):
+            names = given.get("selected_adapters") or list(getattr(self, "peft_config", None) or {"default": None})
+            folders = [Path(save_directory) / ("" if name == "default" else name) for name in names]
+            write_adapter_record(self, [f for f in folders if (f / "adapter_config.json").is_file()])
+        return result
+
+    save_pretrained._ctxext_record = True
+    return save_pretrained
+
+
+def install_adapter_record() -> bool:
+    """Make peft's ``PeftModel.save_pretrained`` write ``ADAPTER_RECORD`` beside an adapter saved from a patched
+    model (peft saves only the adapter: without the record, ``ctxext.from_pretrained(base, adapter=DIR)`` would load
+    it on the unpatched base). peft calls nothing of the patched model that knows the folder, so this wraps the class's
+    method once, as ``ctxext.core.spec`` wraps transformers' config writer; the wrapper only adds the record (or
+    removes a stale one) after peft's own save. Called at every patch; returns False where peft is not installed."""
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("peft") is None:
+            return False
+        from peft import PeftModel
+    except Exception:  # noqa: BLE001 - a peft that does not import cannot save adapters either
+        return False
+    current = PeftModel.__dict__.get("save_pretrained")
+    if current is None or getattr(current, "_ctxext_record", False):
+        return current is not None
+    PeftModel.save_pretrained = _peft_save_pretrained(current)
+    return True
 
 
 def restore_original_tensors(model: nn.Module, pretrained: Any, block: dict[str, Any], hub_kwargs: dict) -> dict:

@@ -11,7 +11,10 @@ from .api import patch, take_saved_spec
 from .compat import transformers as hf_compat
 from .core.errors import PatchError
 from .data.sources import check_source
-from .core.spec import CONFIG_KEY, LENGTH_ABSENT_KEY, TENSORS_KEY, PatchSpec, is_native, unmark_config_dict
+from .core.shipped import check_name, reference_name, reference_path
+from .export import ADAPTER_RECORD
+from .core.spec import (CONFIG_KEY, LENGTH_ABSENT_KEY, TENSORS_KEY, PatchSpec, check_saved_config, is_native,
+                        unmark_config_dict)
 
 
 def auto_tokenizer(source: Any, **kwargs: Any):
@@ -58,8 +61,18 @@ def _check_source(pretrained: Any, kwargs: dict[str, Any]) -> None:
                  revision=None if revision is None else str(revision))
 
 
+def _config_file(pretrained: Any, kwargs: dict[str, Any]) -> str:
+    """Where a checkpoint's config.json is, for messages: the file of a local folder, else ``config.json of ID``."""
+    folder = os.path.expanduser(os.fspath(pretrained))
+    if os.path.isdir(folder):
+        return os.path.join(folder, kwargs.get("subfolder") or "", "config.json")
+    return f"config.json of {os.fspath(pretrained)}"
+
+
 def _saved_config_dict(pretrained: Any, kwargs: dict[str, Any]) -> dict[str, Any] | None:
-    """The raw config.json of a checkpoint saved from a ctxext-patched model (marked or not), else None."""
+    """The raw config.json of a checkpoint saved from a ctxext-patched model (marked or not), else None. A ctxext
+    record that this ctxext cannot read as written (damaged, or from a newer ctxext) is a PatchError naming the file
+    and the key (``ctxext.core.spec.check_saved_config``), not a model loaded without it."""
     if kwargs.get("gguf_file") or "config" in kwargs or not isinstance(pretrained, (str, os.PathLike)):
         return None
     from .core.spec import transformers_config_class
@@ -69,12 +82,19 @@ def _saved_config_dict(pretrained: Any, kwargs: dict[str, Any]) -> dict[str, Any
         config_dict, _ = transformers_config_class().get_config_dict(pretrained, **hub)
     except Exception:  # noqa: BLE001 - from_pretrained reports the real problem
         return None
-    return config_dict if isinstance(config_dict.get(CONFIG_KEY), dict) else None
+    if not isinstance(config_dict, dict) or CONFIG_KEY not in config_dict:
+        return None
+    check_saved_config(config_dict, f" in {_config_file(pretrained, kwargs)}")
+    return config_dict
 
 
 def _holds_replaced_tensors(config_dict: dict[str, Any]) -> bool:
     """A native export whose weights are the patched ones (GPT-2's resized table), the originals beside them."""
     return is_native(config_dict) and bool(config_dict[CONFIG_KEY].get(TENSORS_KEY))
+
+
+class UnknownModelType(OSError):
+    """A checkpoint saved patched from a model type this transformers does not know (the message says so whole)."""
 
 
 def _config_from_saved(pretrained: Any, config_dict: dict[str, Any], kwargs: dict[str, Any], *,
@@ -102,7 +122,7 @@ def _config_from_saved(pretrained: Any, config_dict: dict[str, Any], kwargs: dic
             data[adapter.length_attr] = spec.original_length
     model_type = data.get("model_type")
     if model_type not in CONFIG_MAPPING:
-        raise OSError(
+        raise UnknownModelType(
             f"cannot load model {str(pretrained)!r}: it was saved patched by ctxext from a model of type "
             f"{model_type!r}, which this transformers does not know"
         )
@@ -151,20 +171,38 @@ def model_skeleton(pretrained: str, *, attn_implementation: str | None = None, *
 
 def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: Any) -> nn.Module:
     """``AutoModelForCausalLM.from_pretrained`` (same kwargs, ``gguf_file`` included) that re-applies a saved
-    ctxext patch, and optionally loads a LoRA adapter directory saved by a ctxext fine-tune recipe.
+    ctxext patch, and optionally loads a LoRA adapter directory saved by a ctxext fine-tune recipe (or by peft's
+    ``save_pretrained`` of a patched model: both write the patch record ``ctxext_patch.json`` beside it).
+
+    ``pretrained`` may name a reference checkpoint shipped in the package as the commands do, ``reference:NAME``
+    (``ctxext.reference``): loaded in float32 unless a ``dtype`` is given (it is stored in 16 bits), and recorded
+    under that portable name (``model.name_or_path``), which an adapter saved from it then names as its base.
 
     The source is checked first (``ctxext.data.sources.check_source``): a missing folder or GGUF file, or a hub id with
     no network, fails at once with a message saying what to pass instead."""
     from transformers import AutoModelForCausalLM
 
+    shipped = reference_name(pretrained) if isinstance(pretrained, str) else None
+    if shipped is not None:
+        name, pretrained = f"reference:{check_name(shipped)}", str(reference_path(shipped))  # else ValueError /
+        # FileNotFoundError saying why not
+        kwargs = dict(kwargs)
+        kwargs.setdefault("local_files_only", True)
+        if "dtype" not in kwargs and "torch_dtype" not in kwargs:
+            import torch
+
+            kwargs["dtype"] = (_trained_dtype(adapter) if adapter is not None else None) or torch.float32
+        model = from_pretrained(pretrained, **kwargs)
+        name_model(model, name)
+        return model if adapter is None else load_adapter(model, adapter)
     _check_source(pretrained, kwargs)
     if adapter is not None and "dtype" not in kwargs and "torch_dtype" not in kwargs:
         trained = _trained_dtype(adapter)
         if trained is not None:  # as the adapter was trained, not as the base's config says (often 16-bit)
             kwargs = dict(kwargs, dtype=trained)
     as_loaded = None  # a native export's tensors as saved, checked against the ones the patch rebuilds
+    saved = _saved_config_dict(pretrained, kwargs)  # a damaged or newer ctxext record: its own PatchError
     try:
-        saved = _saved_config_dict(pretrained, kwargs)
         if saved is not None:
             as_saved = _holds_replaced_tensors(saved)
             config, unused = _config_from_saved(pretrained, saved, kwargs, as_saved=as_saved)
@@ -177,6 +215,8 @@ def from_pretrained(pretrained: str, *, adapter: str | None = None, **kwargs: An
                 as_loaded = restore_original_tensors(model, pretrained, saved[CONFIG_KEY], hub)
         else:
             model = AutoModelForCausalLM.from_pretrained(pretrained, **kwargs)
+    except UnknownModelType:
+        raise
     except OSError as exc:
         raise OSError(
             f"cannot load model {pretrained!r}: {str(exc).splitlines()[0]} "
@@ -215,21 +255,126 @@ def _trained_dtype(adapter_dir: str):
     return getattr(torch, name) if name in ("float32", "bfloat16", "float16") else None
 
 
+def name_model(model: nn.Module, name: str) -> None:
+    """Record ``name`` as where ``model`` was loaded from (``model.name_or_path`` and its config's): peft writes it
+    as the base of an adapter saved from the model (``adapter_config.json``'s ``base_model_name_or_path``, the model
+    card's ``base_model``), so a portable name (``reference:llama``) is recorded there, not this machine's folder."""
+    from .export import install_adapter_record
+
+    model.name_or_path = name
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(type(config), "name_or_path"):
+        config.name_or_path = name
+    install_adapter_record()  # peft's save then says nothing about that name (it finds no config.json under it)
+
+
+#: Files a ctxext fine-tune writes beside its adapter that say which patch it trained with (first found first).
+RUN_RECORDS = ("results.json", "log.jsonl", "recipe.yaml")
+
+
+def _recorded_patch(adapter_dir: str) -> tuple[str, str, Any] | None:
+    """Where an adapter folder whose ``ctxext_patch.json`` is missing still says it was trained patched: the file
+    a ctxext fine-tune wrote beside it (``results.json``'s ``patch``, ``log.jsonl``'s start record, ``recipe.yaml``'s
+    ``patch.method``), the method and the factor; None where none of them records a patch."""
+    import json
+    from pathlib import Path
+
+    folder = Path(adapter_dir)
+
+    def read(name: str) -> Any:
+        path = folder / name
+        if not path.is_file():
+            return None
+        try:
+            text = path.read_text(encoding="utf-8-sig")
+            if name == "recipe.yaml":
+                import yaml
+
+                recipe = yaml.safe_load(text)
+                return recipe.get("patch") if isinstance(recipe, dict) else None
+            if name == "log.jsonl":
+                for line in text.splitlines():
+                    try:
+                        row = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(row, dict) and row.get("event") == "start":
+                        return row.get("patch")
+                return None
+            result = json.loads(text)
+            return result.get("patch") if isinstance(result, dict) else None
+        except Exception:  # noqa: BLE001 - an unreadable run record is no evidence either way
+            return None
+
+    for name in RUN_RECORDS:
+        patch_record = read(name)
+        if isinstance(patch_record, dict) and isinstance(patch_record.get("method"), str) \
+                and patch_record["method"] not in ("", "none"):
+            return name, patch_record["method"], patch_record.get("factor")
+    return None
+
+
+def _same_patch(active: dict[str, Any] | None, method: str, factor: Any) -> bool:
+    """Whether the model's active patch is ``method`` (a name or alias) at ``factor`` (None: any)."""
+    if active is None:
+        return False
+    try:
+        from .methods.registry import resolve_method
+
+        method = resolve_method(method).name
+    except Exception:  # noqa: BLE001 - a name this ctxext does not know is not the active one
+        return False
+    return active["method"] == method and (factor is None or active["factor"] == factor)
+
+
+def _factor_text(factor: Any) -> str:
+    return f" x{factor:g}" if isinstance(factor, (int, float)) and not isinstance(factor, bool) else ""
+
+
+def lost_adapter_record(adapter_dir: str, active: dict[str, Any] | None = None) -> str | None:
+    """Why an adapter folder cannot be loaded onto a model with the patch ``active`` (``ctxext.describe``'s dict, None:
+    unpatched): its ``ctxext_patch.json`` is missing while the files of the ctxext fine-tune that trained it
+    (``RUN_RECORDS``) say it was trained with another patch. None where it can (the record is there, or nothing says
+    the adapter was trained patched, or the model has that patch). Reads no weights: a command can ask before it
+    loads the model."""
+    from pathlib import Path
+
+    spec_file = Path(adapter_dir) / ADAPTER_RECORD
+    if spec_file.exists():
+        return None
+    evidence = _recorded_patch(adapter_dir)
+    if evidence is None or _same_patch(active, *evidence[1:]):
+        return None
+    source, method, factor = evidence
+    now = "unpatched" if active is None else f"patched with {active['method']}{_factor_text(active['factor'])}"
+    return (f"adapter {adapter_dir}: its {source} says it was trained with {method}{_factor_text(factor)}, but "
+            f"{spec_file.name}, the record from which ctxext applies that patch again, is missing: loaded on the "
+            f"{now} model, the adapter would run on another model than the one it was trained on. Restore "
+            f"{spec_file.name} from the training run's output")
+
+
 def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
-    """Load a peft (LoRA) adapter onto ``model``; apply the patch recorded beside it if the model has none."""
+    """Load a peft (LoRA) adapter onto ``model``; apply the patch recorded beside it (``ctxext_patch.json``) if the
+    model has none. An adapter folder without that record whose fine-tune's own files (``RUN_RECORDS``) say it was
+    trained patched is refused, naming the file and the patch, unless the model already has that patch: loaded
+    unpatched it would run another model than the one it was trained on."""
     import json
     from pathlib import Path
 
     from .api import describe
 
-    spec_file = Path(adapter_dir) / "ctxext_patch.json"
+    spec_file = Path(adapter_dir) / ADAPTER_RECORD
+    if not spec_file.exists() and _recorded_patch(adapter_dir) is not None:  # (describe: a transformers model)
+        refusal = lost_adapter_record(adapter_dir, describe(model))
+        if refusal is not None:
+            raise PatchError(refusal)
     if spec_file.exists():
         try:
             saved = json.loads(spec_file.read_text(encoding="utf-8-sig"))  # a BOM an editor added is harmless
         except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise PatchError(f"adapter {adapter_dir}: {spec_file.name} cannot be read ({exc}); it records the patch "
                              "the adapter was trained with: restore it from the training run's output") from None
-        spec = PatchSpec.from_dict(saved)
+        spec = PatchSpec.from_dict(saved, f" in {spec_file}")
         active = describe(model)
         if active is None:
             patch(model, spec.method, spec.factor, **spec.options)
@@ -259,7 +404,10 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
         why = file_damage(path) if path.exists() else None
         if why is not None:
             raise ValueError(f"adapter {adapter_dir}: {path} is damaged ({why}); train it again or use an intact copy")
-    return PeftModel.from_pretrained(prepare_for_adapter(model, adapter_dir), adapter_dir)
+    from .compat.transformers import peft_wrap_quietly
+
+    with peft_wrap_quietly():  # peft reads a property transformers deprecated
+        return PeftModel.from_pretrained(prepare_for_adapter(model, adapter_dir), adapter_dir)
 
 
 #: Files from which transformers builds a tokenizer (one is enough)

@@ -9,7 +9,8 @@ pretrained from scratch on five Jane Austen novels, one per positional family, a
   then rows in the passkey task's format), so that it retrieves at its trained length and the methods can be told
   apart by whether they still retrieve at 4x (issue 24);
 * ``"gpt2"``:  GPT2LMHeadModel, learned absolute positions (256 rows in ``wpe``), trained at 256;
-* ``"bloom"``: BloomForCausalLM, ALiBi, trained at 256.
+* ``"bloom"``: BloomForCausalLM, ALiBi, trained at 256 (its config says so in ``max_position_embeddings``: ALiBi has
+  no table whose size would, and without it a BLOOM is read as trained to 2048, the family's length).
 
 The sixth novel, *Emma*, was held out; ``reference_text()`` returns it. The five training novels ship too
 (``training_files()``, ``training_texts()``; fine-tune recipes name them ``data.files: [reference:train]``).
@@ -33,15 +34,19 @@ import lzma
 from pathlib import Path
 from typing import Any
 
-#: The reference models, one per positional family.
-REFERENCE_NAMES: tuple[str, ...] = ("llama", "gpt2", "bloom")
+from .core.shipped import MODEL_PREFIXES, REFERENCE_NAMES, model_source, reference_name, reference_path  # noqa: F401
+from .core.shipped import ROOT as _ROOT
+from .core.shipped import check_name as _check_name
+
 #: Those trained to retrieve (passkey at their trained length); the others find no key even there.
 RETRIEVAL_NAMES: tuple[str, ...] = ("llama",)
 
 
 def train_length(name: str) -> int:
     """The context length reference model ``name`` was trained at, as ``training.json`` records it (a model trained
-    apart from the others carries its own ``training`` settings; BLOOM's config has no length field to read)."""
+    apart from the others carries its own ``training`` settings). Each shipped config advertises the same length
+    (BLOOM's in ``max_position_embeddings``, which ALiBi does not use), so a patch, ``ctxext eval`` and lm-eval read
+    it from the model as they do for any checkpoint."""
     record = _training_record()
     return int(record["models"][_check_name(name)].get("training", record["training"])["length"])
 
@@ -50,7 +55,7 @@ def train_length(name: str) -> int:
 def _training_record() -> dict[str, Any]:
     return json.loads((_ROOT / "training.json").read_text(encoding="utf-8"))
 
-_ROOT = Path(__file__).resolve().parent / "assets" / "reference"
+
 _TEXT = "emma.txt.xz"
 #: The five novels the reference models were trained on (``assets/reference/train/NAME.txt.xz``, see SOURCES.md there).
 TRAIN_BOOKS: tuple[str, ...] = ("mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility")
@@ -59,44 +64,6 @@ DATA_NAMES: dict[str, str] = {
     "train": "the five training novels, 3.1M characters",
     "emma": "the held-out novel, Emma",
 }
-
-
-def _check_name(name: str) -> str:
-    key = name.strip().lower() if isinstance(name, str) else name
-    if key not in REFERENCE_NAMES:
-        raise ValueError(f"unknown reference model {name!r}; choose one of {', '.join(REFERENCE_NAMES)}")
-    return key
-
-
-def reference_path(name: str) -> Path:
-    """The folder of the shipped checkpoint ``name`` (a ``save_pretrained`` directory)."""
-    folder = _ROOT / _check_name(name)
-    if not (folder / "config.json").exists():
-        raise FileNotFoundError(
-            f"reference checkpoint {name!r} is missing from {folder}; the package was installed without its "
-            "assets (reinstall ctxext, or rebuild them with benchmarks/train_reference.py)"
-        )
-    return folder
-
-
-#: How a command names a shipped checkpoint instead of a hub id or folder (``ctxext.`` as the demo labels it).
-MODEL_PREFIXES = ("reference:", "ctxext.reference:")
-
-
-def reference_name(model: Any) -> str | None:
-    """The NAME of a command's ``reference:NAME`` / ``ctxext.reference:NAME`` model argument (not yet checked), or
-    None when ``model`` names no shipped checkpoint: the one test that eval, export, search and recipes share."""
-    for prefix in MODEL_PREFIXES:
-        if isinstance(model, str) and model.startswith(prefix):
-            return model[len(prefix):]
-    return None
-
-
-def model_source(model: str) -> str:
-    """A command's model argument as ``from_pretrained`` reads it: ``reference:NAME`` (or ``ctxext.reference:NAME``)
-    becomes the shipped checkpoint's folder; anything else is returned as given. ValueError names the choices."""
-    name = reference_name(model)
-    return model if name is None else str(reference_path(name))
 
 
 def reference_model(name: str, **from_pretrained_kwargs: Any):

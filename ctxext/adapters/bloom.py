@@ -26,11 +26,13 @@ Where a model has neither, it is not detected as BLOOM (``find_adapter`` then re
 - ``extrapolate``: slopes unchanged, only the advertised length grows;
 - ``alibi``: refused, the model already is ALiBi.
 
-Advertised length: BLOOM configs carry no length attribute (ALiBi has no table to size), and lm-eval falls back to
-2048 tokens for them. ctxext advertises the patched length in ``config.max_position_embeddings`` — the attribute
-lm-eval reads after ``n_positions`` and the one ``generate`` warns against — and takes the original length from
-``max_position_embeddings`` or ``seq_length`` when the config has one, else 2048 (the sequence length every BLOOM
-checkpoint was trained with). ``unpatch`` deletes the attribute again when the config did not have it.
+Advertised length: BLOOM configs usually carry no length attribute (ALiBi has no table to size), and lm-eval falls
+back to 2048 tokens for them. ctxext advertises the patched length in ``config.max_position_embeddings`` — the
+attribute lm-eval reads after ``n_positions`` and the one ``generate`` warns against — and takes the original length
+from the config where it says one (``max_position_embeddings``, else ``seq_length``: a whole number >= 1, written
+256 or 256.0), else 2048 (the sequence length every BLOOM checkpoint of the family was trained with). An explicit
+value always wins over that default: the shipped reference BLOOM, trained at 256 tokens, says so in
+``max_position_embeddings``. ``unpatch`` deletes the attribute again when the config did not have it.
 """
 
 from __future__ import annotations
@@ -175,8 +177,10 @@ class BloomAdapter(Adapter):
 
     def original_length(self, model: nn.Module) -> int:
         config = model.config
-        for attr in (self.length_attr, "seq_length"):
+        for attr in (self.length_attr, "seq_length"):  # an explicit length wins over the family's
             value = getattr(config, attr, None)
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)  # 256.0: a config edited by hand, or written by a tool that writes floats
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
         return BLOOM_TRAINING_LENGTH

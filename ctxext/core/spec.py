@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -41,6 +42,14 @@ LENGTH_ABSENT_KEY = "length_attr_absent"
 #: Key in the saved spec block: ``"native"`` where the checkpoint was written in its native form (plain transformers
 #: loads it as the patched model); absent where it was marked.
 SAVED_AS_KEY = "saved_as"
+#: The values of ``SAVED_AS_KEY`` this ctxext writes.
+SAVED_AS_VALUES = ("native",)
+#: Key in the saved spec block: the version of the record's format, written since version 1 (a record without it is
+#: version 1). A record of a later version comes from a newer ctxext and is refused, naming it, not read in part.
+VERSION_KEY = "version"
+RECORD_VERSION = 1
+#: The keys a saved record may hold besides the spec's own fields; any other key is refused by name.
+RECORD_KEYS = (REPLACED_KEY, SAVED_AS_KEY, TENSORS_KEY, LENGTH_ABSENT_KEY, VERSION_KEY)
 
 
 @dataclass(frozen=True)
@@ -58,21 +67,23 @@ class PatchSpec:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "PatchSpec":
+    def from_dict(cls, data: dict[str, Any], where: str = "") -> "PatchSpec":
         """A spec read back from a saved config (or ``ctxext_patch.json``); a block edited by hand or damaged is a
-        PatchError naming the field, never a spec that silently patches differently. Keys it does not know (the
-        save mark's own) are left to their readers."""
+        PatchError saying that the record is damaged and naming the key, never a spec that silently patches
+        differently. A record from a newer ctxext (a later ``version``, keys or a ``saved_as`` this one does not know)
+        is refused, naming them. The save mark's own keys (``RECORD_KEYS``) are checked here and left to their
+        readers. ``where``: the file, for the message (`` in DIR/config.json``)."""
         from .errors import PatchError
 
-        if not isinstance(data, dict):
-            raise PatchError(f"a saved ctxext patch spec must be a mapping, got {type(data).__name__}")
+        check_record(data, where)
         missing = [k for k in ("method", "factor", "original_length") if k not in data]
         if missing:
-            raise PatchError(f"the saved ctxext patch spec lacks {', '.join(missing)} (it holds "
+            raise PatchError(f"the ctxext record{where} is damaged: it lacks {', '.join(missing)} (it holds "
                              f"{', '.join(sorted(map(str, data))) or 'nothing'}); save the patched model again")
         checks = {
             "method": lambda v: isinstance(v, str) and v.strip() != "",
-            "factor": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)),
+            "factor": lambda v: v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                              and math.isfinite(v)),
             "options": lambda v: isinstance(v, dict),
             "family": lambda v: isinstance(v, str),
             "original_length": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1),
@@ -80,10 +91,63 @@ class PatchSpec:
         }
         for key, fits in checks.items():
             if key in data and not fits(data[key]):
-                raise PatchError(f"the saved ctxext patch spec has {key}={data[key]!r}, which no patch writes; "
+                raise PatchError(f"the ctxext record{where} is damaged: {key}={data[key]!r}, which no patch writes; "
                                  "save the patched model again")
         known = {k: data[k] for k in cls.__dataclass_fields__ if k in data}
         return cls(**known)
+
+
+def _non_finite(value: Any, path: str) -> str | None:
+    """The dotted path of the first non-finite number (NaN, inf) in ``value``, else None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    if isinstance(value, dict):
+        return next((p for k, v in value.items() if (p := _non_finite(v, f"{path}.{k}")) is not None), None)
+    if isinstance(value, list):
+        return next((p for i, v in enumerate(value) if (p := _non_finite(v, f"{path}[{i}]")) is not None), None)
+    return None
+
+
+def check_record(data: Any, where: str = "") -> None:
+    """Refuse a saved ctxext record (the ``ctxext`` block of a config.json, or ``ctxext_patch.json``) that this
+    ctxext cannot read as written: not a mapping, a later ``version``, keys or a ``saved_as`` it does not know, or a
+    key of the save mark with a value no save writes. PatchError saying which key (and version)."""
+    from .errors import PatchError
+
+    if not isinstance(data, dict):
+        shown = json.dumps(data, default=repr)[:60]
+        raise PatchError(f"the ctxext record{where} is damaged: it is {shown}, not a mapping of the patch's "
+                         "settings; save the patched model again")
+    fields = set(PatchSpec.__dataclass_fields__)
+    unknown = sorted(str(k) for k in data if k not in fields and k not in RECORD_KEYS)
+    if VERSION_KEY in data:
+        version = data[VERSION_KEY]
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise PatchError(f"the ctxext record{where} is damaged: {VERSION_KEY}={version!r}, which no ctxext writes "
+                             "(a whole number >= 1); save the patched model again")
+        if version > RECORD_VERSION:
+            also = f", with keys it does not know: {', '.join(unknown)}" if unknown else ""
+            raise PatchError(f"the ctxext record{where} was written by a newer ctxext (record version {version}; this "
+                             f"ctxext reads version {RECORD_VERSION}{also}); upgrade ctxext to load it")
+    if unknown:
+        raise PatchError(f"the ctxext record{where} holds keys this ctxext does not know: {', '.join(unknown)} "
+                         "(written by a newer ctxext, or edited by hand); upgrade ctxext, or save the patched model "
+                         "again")
+    saved_as = data.get(SAVED_AS_KEY)
+    if SAVED_AS_KEY in data and saved_as not in SAVED_AS_VALUES:
+        raise PatchError(f"the ctxext record{where} has {SAVED_AS_KEY}={saved_as!r}, which this ctxext does not know "
+                         f"(it writes {', '.join(map(repr, SAVED_AS_VALUES))}; a newer ctxext's?); upgrade ctxext, or "
+                         "save the patched model again")
+    types_ = {REPLACED_KEY: (dict, "a mapping"), TENSORS_KEY: (str, "a file name"),
+              LENGTH_ABSENT_KEY: (bool, "true")}
+    for key, (kind, what) in types_.items():
+        if key in data and not isinstance(data[key], kind):
+            raise PatchError(f"the ctxext record{where} is damaged: {key}={data[key]!r}, where a save writes {what}; "
+                             "save the patched model again")
+    bad = _non_finite(data.get(REPLACED_KEY), REPLACED_KEY)  # the original config values a load puts back
+    if bad is not None:
+        raise PatchError(f"the ctxext record{where} is damaged: {bad} is not a finite number; save the patched "
+                         "model again")
 
 
 # -- the save mark --------------------------------------------------------------------------------------------------
@@ -100,6 +164,29 @@ def _marked_rope(rope: dict[str, Any]) -> dict[str, Any] | None:
     if rope and all(isinstance(v, dict) and "rope_type" in v for v in rope.values()):
         return {k: {**v, "rope_type": f"ctxext: {LOAD_HINT}"} for k, v in rope.items()}
     return None
+
+
+def check_saved_config(config_dict: dict[str, Any], where: str = "") -> None:
+    """The ctxext record of a ``config.json`` (``where``: the file, for the message), before anything loads from it:
+    the record itself (:func:`check_record`, then the spec's fields), and the save mark's bookkeeping: every value the
+    mark replaced (a ``model_type`` or rope type naming ``ctxext.from_pretrained``) kept in ``replaced_on_save``, and
+    a native export's ``replaced_on_save`` present (the original values ``unpatch`` gives back). PatchError saying
+    that the record is damaged, and which key."""
+    from .errors import PatchError
+
+    block = config_dict.get(CONFIG_KEY)
+    PatchSpec.from_dict(block, where)  # check_record first: a mapping, a version and keys this ctxext reads
+    marked = [key for key in ("model_type", "rope_parameters", "rope_scaling")
+              if key in config_dict and LOAD_HINT in json.dumps(config_dict[key])]
+    native = block.get(SAVED_AS_KEY) == "native"
+    if REPLACED_KEY not in block and (marked or native):
+        what = "the export replaced" if native else f"the save mark replaced ({', '.join(marked)})"
+        raise PatchError(f"the ctxext record{where} is damaged: it lacks {REPLACED_KEY}, the config values {what}, "
+                         "which a load puts back; save the patched model again")
+    lost = [key for key in marked if key not in block.get(REPLACED_KEY, {})]
+    if lost:
+        raise PatchError(f"the ctxext record{where} is damaged: {REPLACED_KEY} lacks {', '.join(lost)}, which the "
+                         "save mark replaced in the config; save the patched model again")
 
 
 def is_marked(config_dict: dict[str, Any]) -> bool:
@@ -123,6 +210,7 @@ def native_config_dict(config_dict: dict[str, Any], live: dict[str, Any]) -> dic
     block.pop(REPLACED_KEY, None)
     block[REPLACED_KEY] = {key: copy.deepcopy(live.get(key)) for key in changes}
     block[SAVED_AS_KEY] = "native"
+    block[VERSION_KEY] = RECORD_VERSION
     data.update(copy.deepcopy(changes))
     data[CONFIG_KEY] = block
     return data
@@ -169,6 +257,7 @@ def mark_config_dict(config_dict: dict[str, Any], live: dict[str, Any] | None = 
         data["rope_scaling"] = {**(scaling or {}), "rope_type": f"ctxext: {LOAD_HINT}"}
     block[REPLACED_KEY] = replaced
     block.pop(SAVED_AS_KEY, None)
+    block[VERSION_KEY] = RECORD_VERSION
     data[CONFIG_KEY] = block
     return data
 

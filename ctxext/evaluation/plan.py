@@ -337,6 +337,11 @@ def adapter_record(adapter: str) -> tuple[dict[str, Any] | None, list[str]]:
         pass  # peft says what is wrong with it when the adapter loads
     spec_file = folder / ADAPTER_PATCH_FILE
     if not spec_file.is_file():
+        from ..loading import lost_adapter_record
+
+        lost = lost_adapter_record(adapter)  # its fine-tune's files say it was trained patched: refused before loading
+        if lost is not None:
+            raise ValueError(f"--{lost}")
         return None, trained
     try:
         spec = PatchSpec.from_dict(json.loads(spec_file.read_text(encoding="utf-8-sig")))

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..compat.transformers import peft_wrap_quietly
 from ..core.errors import PatchError
 from .config import LoraConfig, ModelConfig, Recipe, RecipeError
 
@@ -58,9 +59,21 @@ def load_model(cfg: ModelConfig) -> nn.Module:
     if cfg.attn_implementation:
         kw["attn_implementation"] = cfg.attn_implementation
     try:
-        return from_pretrained(model_source(cfg), **kw)
+        model = from_pretrained(model_source(cfg), **kw)
     except ImportError as exc:  # an attention implementation whose package is missing (flash_attention_2, ...)
         raise _import_error(cfg, exc) from None
+    _name_reference(model, cfg.name)
+    return model
+
+
+def _name_reference(model: nn.Module, name: str) -> None:
+    """A shipped reference checkpoint is named ``reference:NAME`` where peft records the adapter's base
+    (``adapter_config.json``, the model card), not by its folder on this machine."""
+    from ..loading import name_model
+    from ..reference import reference_name
+
+    if reference_name(name) is not None:
+        name_model(model, f"reference:{reference_name(name).strip().lower()}")
 
 
 def _import_error(cfg: ModelConfig, exc: ImportError) -> RecipeError:
@@ -246,14 +259,15 @@ def add_lora(recipe: Recipe, model: nn.Module, source: str) -> nn.Module:
         bias=lo.bias,
         use_rslora=lo.use_rslora,
         task_type="CAUSAL_LM",
-        base_model_name_or_path=source,
+        base_model_name_or_path=model.__dict__.get("name_or_path") or source,  # as peft reads it (reference:NAME)
     )
     adapter = adapter_for(model)
     for key, value in adapter.lora_settings(model).items():
         setattr(config, key, value)
     adapter.make_trainable(model, list(lo.trainable))
     try:
-        peft_model = get_peft_model(model, config)
+        with peft_wrap_quietly():  # peft reads a property transformers deprecated
+            peft_model = get_peft_model(model, config)
     except ValueError as exc:
         raise RecipeError(f"lora: {exc}") from None
     adapter.after_lora(peft_model)

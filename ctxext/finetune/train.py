@@ -19,7 +19,6 @@ import torch
 
 from ..attention.shifted_sparse import check_shift_attention, enable_shift_attention
 from ..core.errors import PatchError
-from ..compat.transformers import peft_wrap_quietly
 from ..core.outputs import first_record
 from . import checkpoint as ckpt
 from .config import Recipe, RecipeError, check_model_sources
@@ -487,8 +486,7 @@ def run(
     # -- LoRA, then Trainer
     model.config.use_cache = False
     set_seed(t.seed)
-    with peft_wrap_quietly():  # peft reads a deprecated property
-        model = add_lora(recipe, model, source)
+    model = add_lora(recipe, model, source)
     n_train, n_total = count_parameters(model)
     say(f"LoRA r={recipe.lora.r}: {n_train:,} trainable of {n_total:,} parameters "
         f"({100 * n_train / n_total:.2f}%)")
