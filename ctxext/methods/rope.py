@@ -167,8 +167,8 @@ def check_yarn_options(options: dict) -> None:
                          f"(it scales every attention logit; YaRN's own is about 1.0-1.5), got {factor}")
     for key in ("mscale", "mscale_all_dim"):
         if options[key] is not None and not 0 <= options[key] <= MAX_MSCALE:
-            raise PatchError(f"option {key} of method 'yarn' must be between 0 (off) and {MAX_MSCALE:g} (DeepSeek's "
-                             f"configs use about 1), got {options[key]}")
+            raise PatchError(f"option {key} of method 'yarn' must be >= 0 (0: off) and at most {MAX_MSCALE:g} "
+                             f"(DeepSeek's configs use about 1), got {options[key]}")
 
 
 #: Upper bounds of yarn's temperature options: far above any published value, low enough that the attention factor
