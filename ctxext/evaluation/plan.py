@@ -23,6 +23,7 @@ from .preflight import check_evaluator_tokenizer, check_fit, check_key_tokens
 from .requests import NONE, MethodChoice, parse_factor
 from .results import check_file_target, check_output, jsonl_path, recorded_pictures
 from .runner import PASSKEY_ASKED, PASSKEY_NOT, ModelJob, Settings, default_lengths
+from ..export import ADAPTER_RECORD
 from ..reference import model_source, reference_name
 from .tasks import PASSKEY, PPL, parse_tasks
 from .windows import PROTOCOLS, check_protocol
@@ -314,10 +315,6 @@ def _check_counts(args) -> None:
             raise ValueError(f"{flag} {value}: expected a whole number from 1 to {maximum:,}")
 
 
-#: Beside a ctxext fine-tune's adapter: the patch it was trained with (``ctxext.describe``'s dict).
-ADAPTER_PATCH_FILE = "ctxext_patch.json"
-
-
 def adapter_record(adapter: str) -> tuple[dict[str, Any] | None, list[str]]:
     """The patch an --adapter folder records (its ``ctxext_patch.json``; method, factor, options with their defaults
     filled in), or None where it records none; and the modules it trained in full (``adapter_config.json``'s
@@ -335,7 +332,7 @@ def adapter_record(adapter: str) -> tuple[dict[str, Any] | None, list[str]]:
         trained = [str(m) for m in (config.get("modules_to_save") or [])]
     except (OSError, ValueError, AttributeError, TypeError):
         pass  # peft says what is wrong with it when the adapter loads
-    spec_file = folder / ADAPTER_PATCH_FILE
+    spec_file = folder / ADAPTER_RECORD
     if not spec_file.is_file():
         from ..loading import lost_adapter_record
 
@@ -364,7 +361,7 @@ def _check_adapter_methods(args, methods: MethodChoice, recorded: dict[str, Any]
 
     own = MethodRequest(recorded["method"], recorded["factor"], recorded["options"])
     name = f"{own.method}:{own.factor:g}" if own.factor is not None else own.method
-    where = f"--adapter {args.adapter} was trained with {own.label} (its {ADAPTER_PATCH_FILE})"
+    where = f"--adapter {args.adapter} was trained with {own.label} (its {ADAPTER_RECORD})"
     if args.key_tokens and not args.evaluator and trained:
         raise ValueError(f"--key-tokens: the default evaluator is the model itself without its patch, and {where} and "
                          f"trained {', '.join(trained)} in full under it, which taking the patch off drops; give "

@@ -20,6 +20,7 @@ import torch
 from ..attention.shifted_sparse import check_shift_attention, enable_shift_attention
 from ..core.errors import PatchError
 from ..core.outputs import first_record
+from ..export import ADAPTER_RECORD as PATCH_FILE  # the adapter's patch record
 from . import checkpoint as ckpt
 from .config import Recipe, RecipeError, check_model_sources
 from .data import RunSamples, build_packed_data, read_eval_tokens
@@ -37,7 +38,6 @@ from .model import (
     skeleton,
 )
 
-PATCH_FILE = "ctxext_patch.json"
 #: What a run writes in output.dir besides its checkpoint folders: the log (written first, so it marks a run's folder),
 #: the summary, the recipe, the adapter (peft writes a README.md model card beside it), the tokenizer, the merged
 #: model. --overwrite removes all of it before the new run writes anything, so no part of the old run (an adapter
