@@ -225,6 +225,22 @@ def _peft_save_pretrained(original: Callable) -> Callable:
     return save_pretrained
 
 
+def read_adapter_record(adapter_dir: str | os.PathLike) -> PatchSpec | None:
+    """The patch an adapter folder records in :data:`ADAPTER_RECORD`; None where it holds no record. A record that
+    cannot be read, or a damaged one, is a PatchError naming the file (the one reader of that file)."""
+    from .core.errors import PatchError
+
+    path = Path(adapter_dir) / ADAPTER_RECORD
+    if not path.is_file():
+        return None
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8-sig"))  # a BOM an editor added is harmless
+    except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise PatchError(f"{path.name} cannot be read ({exc}); it records the patch the adapter was trained with: "
+                         "restore it from the training run's output") from None
+    return PatchSpec.from_dict(saved, f" in {path}")
+
+
 def install_adapter_record() -> bool:
     """Make peft's ``PeftModel.save_pretrained`` write ``ADAPTER_RECORD`` beside an adapter saved from a patched
     model (peft saves only the adapter: without the record, ``ctxext.from_pretrained(base, adapter=DIR)`` would load

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from torch import nn
@@ -12,7 +13,7 @@ from .compat import transformers as hf_compat
 from .core.errors import PatchError
 from .data.sources import check_source
 from .core.shipped import check_name, reference_name, reference_path
-from .export import ADAPTER_RECORD
+from .export import ADAPTER_RECORD, read_adapter_record
 from .core.spec import (CONFIG_KEY, LENGTH_ABSENT_KEY, TENSORS_KEY, PatchSpec, check_saved_config, is_native,
                         unmark_config_dict)
 
@@ -358,23 +359,17 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
     model has none. An adapter folder without that record whose fine-tune's own files (``RUN_RECORDS``) say it was
     trained patched is refused, naming the file and the patch, unless the model already has that patch: loaded
     unpatched it would run another model than the one it was trained on."""
-    import json
-    from pathlib import Path
-
     from .api import describe
 
-    spec_file = Path(adapter_dir) / ADAPTER_RECORD
-    if not spec_file.exists() and _recorded_patch(adapter_dir) is not None:  # (describe: a transformers model)
-        refusal = lost_adapter_record(adapter_dir, describe(model))
+    if not (Path(adapter_dir) / ADAPTER_RECORD).exists() and _recorded_patch(adapter_dir) is not None:
+        refusal = lost_adapter_record(adapter_dir, describe(model))  # (describe: a transformers model)
         if refusal is not None:
             raise PatchError(refusal)
-    if spec_file.exists():
-        try:
-            saved = json.loads(spec_file.read_text(encoding="utf-8-sig"))  # a BOM an editor added is harmless
-        except (ValueError, OSError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise PatchError(f"adapter {adapter_dir}: {spec_file.name} cannot be read ({exc}); it records the patch "
-                             "the adapter was trained with: restore it from the training run's output") from None
-        spec = PatchSpec.from_dict(saved, f" in {spec_file}")
+    try:
+        spec = read_adapter_record(adapter_dir)
+    except PatchError as exc:
+        raise PatchError(f"adapter {adapter_dir}: {exc}") from None
+    if spec is not None:
         active = describe(model)
         if active is None:
             patch(model, spec.method, spec.factor, **spec.options)
@@ -383,12 +378,12 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
                 f"adapter {adapter_dir} was trained with {spec.method} x{spec.factor}, "
                 f"but the model is patched with {active['method']} x{active['factor']}"
             )
-        elif active["options"] != spec.options:
-            differ = sorted(k for k in set(active["options"]) | set(spec.options)
-                            if active["options"].get(k) != spec.options.get(k))
+        elif active["options"] != (recorded := spec.to_dict()["options"]):  # both with derived settings filled in
+            differ = sorted(k for k in set(active["options"]) | set(recorded)
+                            if active["options"].get(k) != recorded.get(k))
             raise PatchError(
                 f"adapter {adapter_dir} was trained with {spec.method} x{spec.factor} and other options: "
-                + ", ".join(f"{k}={spec.options.get(k)!r} (the model: {active['options'].get(k)!r})" for k in differ)
+                + ", ".join(f"{k}={recorded.get(k)!r} (the model: {active['options'].get(k)!r})" for k in differ)
             )
     try:
         from peft import PeftModel

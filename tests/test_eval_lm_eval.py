@@ -107,7 +107,7 @@ def test_ctxext_lm_eval_command_on_a_local_task(model_dir, tasks, tmp_path, caps
 def test_lm_eval_runs_its_pool_without_forking_a_threaded_process(chosen, during):
     import multiprocessing
 
-    from ctxext.commands.lm_eval import pool_start_method_safe_after_threads
+    from ctxext.integrations.lm_eval_run import pool_start_method_safe_after_threads
 
     before = multiprocessing.get_start_method(allow_none=True)
     multiprocessing.set_start_method(chosen, force=True)
@@ -151,7 +151,7 @@ def test_ruler_tasks_on_a_gguf_model_get_the_gguf_tokenizer_once(tmp_path, monke
     tokenizer: for RULER tasks on a GGUF model, ctxext saves that tokenizer once and names it in the metadata."""
     import transformers
 
-    from ctxext.commands import lm_eval as command
+    from ctxext.integrations import lm_eval_ruler as ruler
     from ctxext.reference import reference_tokenizer
 
     monkeypatch.setenv("CTXEXT_CACHE_DIR", str(tmp_path / "cache"))
@@ -166,13 +166,13 @@ def test_ruler_tasks_on_a_gguf_model_get_the_gguf_tokenizer_once(tmp_path, monke
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
     args = {"pretrained": str(tmp_path / "model"), "gguf_file": "m.gguf"}
-    folder = command.ruler_tokenizer(args, "niah_single_1,ruler_vt", {})
+    folder = ruler.ruler_tokenizer(args, "niah_single_1,ruler_vt", {})
     assert calls == [(str(tmp_path / "model"), {"gguf_file": "m.gguf"})]
     monkeypatch.undo()  # transformers' own loader again
     monkeypatch.setenv("CTXEXT_CACHE_DIR", str(tmp_path / "cache"))
     assert transformers.AutoTokenizer.from_pretrained(folder)("hello").input_ids == tokenizer("hello").input_ids
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
-    assert command.ruler_tokenizer(args, ["ruler"], {}) == folder and len(calls) == 1  # saved once, reused
+    assert ruler.ruler_tokenizer(args, ["ruler"], {}) == folder and len(calls) == 1  # saved once, reused
     assert not [p for p in (tmp_path / "cache" / "gguf-tokenizers").iterdir() if p.name.startswith(".")]
 
 
@@ -182,10 +182,10 @@ def test_ruler_tasks_on_a_gguf_model_get_the_gguf_tokenizer_once(tmp_path, monke
     ({"pretrained": "DIR", "gguf_file": "m.gguf"}, "niah_single_1", {"tokenizer": "gpt2"}),  # the user's choice
 ])
 def test_other_runs_get_no_tokenizer_and_nothing_written(tmp_path, monkeypatch, args, tasks, metadata):
-    from ctxext.commands import lm_eval as command
+    from ctxext.integrations import lm_eval_ruler as ruler
 
     monkeypatch.setenv("CTXEXT_CACHE_DIR", str(tmp_path / "cache"))
-    assert command.ruler_tokenizer(args, tasks, metadata) is None
+    assert ruler.ruler_tokenizer(args, tasks, metadata) is None
     assert not (tmp_path / "cache").exists()
 
 
@@ -202,7 +202,7 @@ def test_ruler_niah_single_1_on_the_smollm2_gguf_offline(tmp_path, monkeypatch):
 def test_the_gguf_tokenizer_falls_back_to_a_temporary_folder_when_the_cache_cannot_be_written(tmp_path, monkeypatch):
     import transformers
 
-    from ctxext.commands import lm_eval as command
+    from ctxext.integrations import lm_eval_ruler as ruler
     from ctxext.reference import reference_tokenizer
 
     blocked = tmp_path / "cache-is-a-file"
@@ -210,7 +210,7 @@ def test_the_gguf_tokenizer_falls_back_to_a_temporary_folder_when_the_cache_cann
     monkeypatch.setenv("CTXEXT_CACHE_DIR", str(blocked))
     tokenizer = reference_tokenizer()
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: tokenizer)
-    folder = command.ruler_tokenizer({"pretrained": "org/model", "gguf_file": "m.gguf", "revision": "v2"},
+    folder = ruler.ruler_tokenizer({"pretrained": "org/model", "gguf_file": "m.gguf", "revision": "v2"},
                                      [{"task": "niah_single_1"}, "hellaswag,ruler_vt"], {})
     assert folder is not None and (Path(folder) / "tokenizer_config.json").is_file()
     assert blocked.read_text() == "not a folder"
@@ -221,9 +221,8 @@ def test_a_configs_metadata_survives_the_gguf_tokenizer(tmp_path, monkeypatch):
     """lm-eval replaces a --config's metadata with the command line's: the tokenizer is added to the merged one."""
     from conftest import smollm2_gguf
 
-    from ctxext.commands import lm_eval as command
     from ctxext.compat import lm_eval as lm_eval_compat
-    from ctxext.integrations import lm_eval as _registers_model  # noqa: F401
+    from ctxext.integrations import lm_eval_checks as checks
 
     gguf = smollm2_gguf()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -232,5 +231,5 @@ def test_a_configs_metadata_survives_the_gguf_tokenizer(tmp_path, monkeypatch):
     monkeypatch.setattr("sys.argv", ["lm-eval", "run", "--config", str(config), "--model", "ctxext", "--model_args",
                                      f"pretrained={gguf.parent},gguf_file={gguf.name}", "--tasks", "niah_single_1"])
     parsed = lm_eval_compat.harness_cli()().parse_args()
-    command.precheck(parsed)
+    checks.precheck(parsed)
     assert parsed.metadata["max_seq_lengths"] == [8192] and Path(parsed.metadata["tokenizer"]).is_dir()

@@ -19,9 +19,10 @@ def llama_dir(tmp_path_factory):
 
 
 def _plan(argv):
+    from ctxext.commands.eval import request_from_args
     from ctxext.evaluation.plan import plan_eval
 
-    return plan_eval(build_parser().parse_args(argv))
+    return plan_eval(request_from_args(build_parser().parse_args(argv)))
 
 
 def _pairs(requests):

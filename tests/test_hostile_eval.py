@@ -261,24 +261,17 @@ def test_sample_counts_are_bounded(llama_dir, tmp_path, capsys, flag, value):
                    f"argument {flag}")
 
 
-def test_sample_counts_are_bounded_where_the_plan_is_built(llama_dir, tmp_path):
+def test_sample_counts_are_bounded_where_the_request_is_built(llama_dir, tmp_path):
     """Arguments made in Python (not through the command line's parsers) are held to the same bounds."""
-    import argparse
+    import ctxext
+    from ctxext.evaluation.request import MAX_PASSKEY_TRIALS, MAX_TASK_SAMPLES, parse_passkey_trials
 
-    from ctxext.commands.eval import add_eval_arguments
-    from ctxext.evaluation.plan import MAX_PASSKEY_TRIALS, MAX_TASK_SAMPLES, parse_passkey_trials, plan_eval
-
-    parser = argparse.ArgumentParser()
-    add_eval_arguments(parser, demo=False)
-    args = parser.parse_args(["--model", str(llama_dir), "--output", str(tmp_path / "r.json")])
-    args.command = "eval"
-    args.task_samples = 10 ** 11
-    with pytest.raises(ValueError, match=f"--task-samples {10 ** 11}: expected a whole number from 1 to 10,000"):
-        plan_eval(args)
-    args.task_samples, args.passkey_trials = 10, 2.5
-    with pytest.raises(ValueError, match="--passkey-trials 2.5"):
-        plan_eval(args)
+    with pytest.raises(ValueError, match=f"task_samples={10 ** 11}: expected a whole number from 1 to 10,000"):
+        ctxext.evaluate(str(llama_dir), task_samples=10 ** 11)
+    with pytest.raises(ValueError, match="passkey_trials=2.5"):
+        ctxext.evaluate(str(llama_dir), passkey_trials=2.5)
     assert parse_passkey_trials(str(MAX_PASSKEY_TRIALS)) == MAX_PASSKEY_TRIALS == MAX_TASK_SAMPLES
+    assert not list(tmp_path.iterdir())
 
 
 # -- case 21: a picture that cannot be written -------------------------------------------------------------------------
@@ -335,7 +328,7 @@ def test_results_that_cannot_be_written_name_the_file(tmp_path, monkeypatch):
     def full_disk(path, text):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(results, "_atomic_write", full_disk)
+    monkeypatch.setattr(results, "write_atomic", full_disk)
     with pytest.raises(OSError, match=r"--output .*r\.json: not written \(No space left on device\); the finished "
                                       r"rows are kept in .*r\.jsonl"):
         store.write_final({"results": []})

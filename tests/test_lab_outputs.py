@@ -19,7 +19,7 @@ from refusals import assert_refused, tree_digest  # noqa: E402
 from ctxext.cli import main  # noqa: E402
 from ctxext.lab import run as lab_run  # noqa: E402
 from ctxext.lab import shift as lab_shift  # noqa: E402
-from ctxext.lab.io import write_atomic  # noqa: E402
+from ctxext.core.outputs import write_atomic  # noqa: E402
 from ctxext.lab.model import build_model  # noqa: E402
 from ctxext.lab.run import LabSettings, run_lab  # noqa: E402
 

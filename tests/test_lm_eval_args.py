@@ -189,7 +189,7 @@ def test_accepted_model_args(llama, model_args):
 
 
 def test_known_task_names_globs_and_include_path_pass(tmp_path):
-    from ctxext.commands.lm_eval import check_tasks
+    from ctxext.integrations.lm_eval_tasks import check_tasks
 
     folder = tmp_path / "tasks"
     folder.mkdir()
@@ -208,7 +208,7 @@ def test_index_is_built_once_per_folder_per_command(tmp_path):
     from lm_eval.tasks import TaskManager
     from lm_eval.tasks._index import TaskIndex
 
-    from ctxext.commands.lm_eval import index_built_once
+    from ctxext.compat.lm_eval import index_built_once
 
     a, b = tmp_path / "a", tmp_path / "b"
     for folder, names in ((a, ("x1", "x2")), (b, ("x2", "x3"))):

@@ -417,8 +417,7 @@ def _concat_chunk(qs, ks, v, picks, dropout, scaling, n_rep, gqa_cpu):
     return out[..., :width]
 
 
-#: A recording attention (transformers' sdpa, plus the keys it received kept on the module as ``PROBE_ATTR``), for
-#: ``ctxext.adapters.remap.rotating_layers``.
+#: A recording attention (sdpa, keeping the keys it got as ``PROBE_ATTR``), for ``adapters.remap.rotating_layers``.
 PROBE = "ctxext_rotation_probe"
 PROBE_ATTR = "_ctxext_probe_keys"
 
@@ -427,8 +426,7 @@ def probe_attention_forward(module: nn.Module, query, key, value, attention_mask
     vars(module).setdefault(PROBE_ATTR, []).append(key.detach().float().clone())
     # sdpa has no soft-capping or sinks (and refuses softcap): the probe compares keys, which they do not change,
     # and leaves them out of both of its passes alike
-    for dropped in ("softcap", "s_aux"):
-        kwargs.pop(dropped, None)
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "s_aux")}
     return _SDPA(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -449,5 +447,4 @@ def _register() -> None:
 
 
 _register()
-
 __all__ = ["CHUNK_BYTES", "PROBE", "REMAP", "STATE_ATTR", "RemapState", "remap_attention_forward", "rotate"]

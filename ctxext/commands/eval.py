@@ -4,8 +4,8 @@
 runs the default offline evaluation of the shipped reference models. Multi-process runs:
 `torchrun --nproc_per_node N -m ctxext eval ...`.
 
-This module is the command line: its arguments, and what the run prints. The run itself is planned in
-:mod:`ctxext.evaluation.plan` and carried out by :mod:`ctxext.evaluation.session`.
+This module is the command line: its arguments, and what the run prints. The arguments become one
+:class:`ctxext.evaluation.request.EvalRequest`, run as ``ctxext.evaluate`` runs it.
 """
 
 from __future__ import annotations
@@ -13,15 +13,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..evaluation.plan import (
-    DEFAULT_DEPTHS,
-    DEMO_MAX_TOKENS,
-    DEMO_OUTPUT,
-    DEMO_PLOT,
-    EVAL_OUTPUT,
+from ..evaluation.plan import DEFAULT_DEPTHS, DEMO_MAX_TOKENS, DEMO_OUTPUT, DEMO_PLOT, EVAL_OUTPUT, PROTOCOLS
+from ..evaluation.request import (
     MAX_PASSKEY_TRIALS,
     MAX_TASK_SAMPLES,
-    PROTOCOLS,
+    EvalRequest,
     parse_count,
     parse_depths,
     parse_factor_argument,
@@ -147,42 +143,44 @@ def register(sub) -> None:
     d.set_defaults(func=run_eval, model=None, gguf_file=None, adapter=None, evaluator=None)
 
 
+def request_from_args(args) -> EvalRequest:
+    """The request of a parsed `ctxext eval` / `ctxext demo` command line (default outputs filled in)."""
+    demo = getattr(args, "command", "eval") == "demo" or args.model is None
+    return EvalRequest(
+        model=args.model, gguf_file=args.gguf_file, adapter=args.adapter, dtype=args.dtype, device=args.device,
+        methods=args.methods, factor=args.factor, options=tuple(args.option or ()), lengths=args.lengths,
+        data=args.data, data_split=args.data_split, text_field=args.text_field, protocol=args.protocol,
+        stride=args.stride, max_windows=args.max_windows, max_tokens=args.max_tokens, batch_size=args.batch_size,
+        tasks=args.tasks, task_samples=args.task_samples, task_depths=args.task_depths,
+        chat_template=not args.no_chat_template, passkey=args.passkey, passkey_depths=args.passkey_depths,
+        passkey_trials=args.passkey_trials, seed=args.seed, key_tokens=args.key_tokens, evaluator=args.evaluator,
+        key_context=args.key_context, key_short=args.key_short,
+        output=args.output or (DEMO_OUTPUT if demo else EVAL_OUTPUT), resume=args.resume, overwrite=args.overwrite,
+        plot=args.plot, heatmap=args.heatmap, progress=not args.no_progress, demo=demo,
+        command=getattr(args, "command", "eval"),
+    )
+
+
 def run_eval(args) -> int:
-    from ..evaluation.plan import plan_eval
-    from ..evaluation.session import open_run, run_plan
+    from ..evaluation.evaluate import run_request
+    from ..evaluation.results import jsonl_path
 
-    plan = plan_eval(args)  # every check: nothing loaded or written yet
-    with open_run(plan) as state:
-        finished = run_plan(plan, state, command=args.command)
-        unwritten = _show(plan, finished, command=args.command) if state.is_main_process else 0
-        state.wait_for_everyone()  # no process exits (and makes torchrun stop the others) before the files are written
-        if not finished.rows and not finished.outcome.errors:
-            raise ValueError("nothing was evaluated")
-        return 2 if finished.outcome.errors or unwritten else 0
+    command = getattr(args, "command", "eval")
+    pictures = []
 
-
-def _show(plan, finished, *, command: str = "eval") -> int:
-    """Tables on stdout, file names on stderr, and the pictures (only beside results this run wrote). Returns how
-    many pictures could not be written (each said on stderr, with how to draw it: the results are kept)."""
-    from ..evaluation.report import format_report, write_pictures
-    from ..evaluation.verdict import format_verdicts
-
-    rows, models = finished.rows, finished.outcome.models
-    table = format_report(rows, models, finished.document["protocol"])
-    if table:
-        print(table)
-    verdict = format_verdicts(rows, models)
-    if verdict:
-        print("\n" + verdict)
-    if finished.written is None:
-        print("\nno results written: nothing finished in this run", file=sys.stderr)
-        return 0
-    print(f"\nresults: {finished.store.output} (rows: {finished.store.jsonl})", file=sys.stderr)
-    unwritten = 0
-    for what, path, problem in write_pictures(plan, rows, models, finished.document):
-        if problem is None:
-            print(f"{what}: {path}", file=sys.stderr)
+    def show(results) -> None:
+        if results.table():
+            print(results.table())
+        if results.output is None:
+            print("\nno results written: nothing finished in this run", file=sys.stderr)
         else:
-            unwritten += 1
-            print(f"ctxext {command}: error: {problem}", file=sys.stderr)
-    return unwritten
+            print(f"\nresults: {results.output} (rows: {jsonl_path(results.output)})", file=sys.stderr)
+
+    def picture(what: str, path: str, problem: str | None) -> None:
+        pictures.append(problem)
+        print(f"{what}: {path}" if problem is None else f"ctxext {command}: error: {problem}", file=sys.stderr)
+
+    results = run_request(request_from_args(args), on_finished=show, on_picture=picture)
+    if not results.rows and not results.errors:
+        raise ValueError("nothing was evaluated")
+    return 2 if results.errors or any(pictures) else 0

@@ -2,8 +2,8 @@
 model type overrides and reads, and the private modules of lm-eval's command line that ``ctxext lm-eval`` reuses.
 
 Checked on lm-eval 0.4.13, the version constraints.txt pins (the only one the CI runs). lm_eval is imported inside
-the functions, not here: ``ctxext.commands.lm_eval`` uses this module before deciding to load lm-eval (and where
-it is not installed), while ``ctxext.integrations.lm_eval`` is imported only once lm-eval is.
+the functions, not here: ``ctxext.integrations.lm_eval_run`` uses this module before deciding to load lm-eval (and
+where it is not installed), while ``ctxext.integrations.lm_eval`` is imported only once lm-eval is.
 """
 
 from __future__ import annotations
@@ -97,12 +97,50 @@ def task_index():
     return TaskIndex, log
 
 
+@contextlib.contextmanager
+def index_built_once():
+    """Within the block, lm-eval's task index (``TaskIndex.build``, what ``TaskManager()`` spends its time on) is
+    built once per folder: the index that ctxext's task-name check builds on a cold cache is the one lm-eval's run
+    then uses, instead of a second 15-20 s. Folders are merged as lm-eval merges them (later ones override, with its
+    warning). Outside the block, and with an lm-eval that has no static ``TaskIndex.build``, nothing changes."""
+    try:
+        TaskIndex, log = task_index()
+    except ImportError:  # pragma: no cover - older lm-eval
+        yield
+        return
+    original = TaskIndex.__dict__.get("build")
+    if not isinstance(original, staticmethod):  # pragma: no cover - another lm-eval
+        yield
+        return
+    built: dict = {}
+
+    def build(paths, *, resolve_includes=True):
+        index: dict = {}
+        for root in paths:
+            key = (str(root), resolve_includes)
+            if key not in built:
+                built[key] = original.__func__([root], resolve_includes=resolve_includes)
+            for name, entry in built[key].items():
+                if name in index:
+                    log.warning("Task '%s' from %s overrides existing task from %s", name, entry.yaml_path,
+                                index[name].yaml_path)
+                index[name] = entry
+        return index
+
+    TaskIndex.build = staticmethod(build)
+    try:
+        yield
+    finally:
+        TaskIndex.build = original
+
+
 __all__ = [
     "HFLM_HOOKS",
     "TESTED_LM_EVAL",
     "check_hflm_hooks",
     "git_hash_quietly",
     "harness_cli",
+    "index_built_once",
     "loaded_model",
     "max_length_argument",
     "model_args_splitter",

@@ -12,8 +12,11 @@
 - :func:`check_writable_folder` refuses an output folder that cannot be made or written, before any work: it creates
   and removes a temporary file in the nearest existing folder on the way (``os.access`` says yes to root, and knows
   nothing of read-only mounts).
-- :func:`staged_folder` gives a folder beside an output to write a whole result into; it replaces the output only
-  when the writing completes, so a failed or interrupted run leaves the earlier output as it was.
+- :func:`write_atomic` writes a file whole or not at all (a temporary file beside it, flushed to disk, renamed over
+  it): the one helper for it, so that fsync, modes and clean-up are the same for every writer.
+- :func:`staging_folder` gives a folder beside an output to write into, removed when its block ends;
+  :func:`staged_folder` builds on it and replaces the output only when the writing completes, so a failed or
+  interrupted run leaves the earlier output as it was.
 - :func:`file_damage` says why a file ctxext (or a library it saves with) wrote cannot be read back: a truncated
   safetensors file, a torch.save archive with a missing end or a bad CRC, JSON that does not parse.
 """
@@ -211,24 +214,54 @@ def give_default_mode(path: str | os.PathLike, folder: bool) -> None:
     os.chmod(path, (0o777 if folder else 0o666) & ~mask)
 
 
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write ``data`` (a str as UTF-8) to ``path`` whole or not at all: into a temporary file beside it (same
+    filesystem, so the rename is atomic), flushed to disk, then renamed over ``path``; folders on the way are made.
+    A failure or an interrupt removes the temporary file and leaves ``path`` as it was. The file gets the mode
+    ``open`` would have given it, not ``mkstemp``'s 0600."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())  # on disk before the rename: a crash never leaves an empty file in place
+        give_default_mode(tmp, folder=False)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 @contextlib.contextmanager
-def staged_folder(out: str | os.PathLike) -> Iterator[Path]:
-    """A new folder beside ``out`` (same filesystem, so the rename is atomic) for the caller to write a whole result
-    into. When the block completes, it replaces ``out`` (a folder there is removed first: the caller has checked that
-    it may be); when the block raises, it is removed and ``out`` is left as it was. It gets the mode ``mkdir`` would
-    have given, not ``mkdtemp``'s 0700."""
+def staging_folder(out: str | os.PathLike) -> Iterator[Path]:
+    """A new, empty folder beside ``out`` (same filesystem, so renames from it into ``out`` are atomic) with the mode
+    ``mkdir`` would have given, not ``mkdtemp``'s 0700. Whatever is still in it when the block ends, completed or
+    not, is removed; what the caller moved out of it (into ``out``) stays. ``out`` itself is never touched here."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         give_default_mode(staging, folder=True)
         yield staging
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_folder(out: str | os.PathLike) -> Iterator[Path]:
+    """A :func:`staging_folder` for the caller to write a whole result into. When the block completes, it replaces
+    ``out`` (a folder there is removed first: the caller has checked that it may be); when the block raises, it is
+    removed and ``out`` is left as it was."""
+    out = Path(out)
+    with staging_folder(out) as staging:
+        yield staging
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
 
 
 def check_writable_folder(path: str | os.PathLike, flag: str) -> None:

@@ -64,7 +64,27 @@ class PatchSpec:
     patched_length: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The record of the patch (``describe``, the saved config, the evaluator's rows): its fields, with the
+        options it ran with, so a default the method derives from the original length and the factor reads as its
+        value (Self-Extend's group and window), not None. ``options`` itself stays as asked: the checks read what the
+        user gave (a shipped DCA config refuses dca's defaults, not the same values given). A record reloads to the
+        same patch: the derived values are what the defaults give."""
+        data = asdict(self)
+        data["options"] = self._options_run()
+        return data
+
+    def _options_run(self) -> dict[str, Any]:
+        from ..methods.registry import METHODS, derived_options  # the methods import core: not at the top
+        from .errors import PatchError
+
+        method = METHODS.get(self.method)
+        if method is None:
+            return copy.deepcopy(self.options)
+        try:
+            return derived_options(method, copy.deepcopy(self.options), original_length=self.original_length,
+                                   factor=self.factor)
+        except (PatchError, TypeError):  # a record no patch wrote: refused where it is applied, not where it is read
+            return copy.deepcopy(self.options)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "") -> "PatchSpec":

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.errors import PatchError
-from ..methods.registry import MAX_FACTOR, METHODS, accepted_options, resolve_method, validate_options
+from ..methods.registry import (MAX_FACTOR, METHODS, accepted_options, derived_options, resolve_method,
+                                validate_options)
 from ..methods.temperature import OPTION as TEMPERATURE
 from ..methods.temperature import OPTIONS as TEMPERATURE_OPTIONS
 
@@ -50,14 +51,17 @@ class MethodRequest:
         if call is None or not isinstance(spec, dict) or self.method == NONE:
             return False
         method, factor, options = call
-        try:
+        length = spec.get("original_length")
+        try:  # both sides with the settings the method derives from the factor filled in (a record holds them)
             info = resolve_method(method)
-            resolved = validate_options(info, options)
-        except (PatchError, ValueError):
+            asked = derived_options(info, validate_options(info, options), original_length=length, factor=factor)
+            recorded = derived_options(info, validate_options(info, dict(spec.get("options") or {})),
+                                       original_length=length, factor=spec.get("factor"))
+        except (PatchError, ValueError, TypeError):
             return False
         same_factor = (factor is None) == (spec.get("factor") is None) and (
             factor is None or float(factor) == float(spec["factor"]))
-        return info.name == spec.get("method") and same_factor and resolved == (spec.get("options") or {})
+        return info.name == spec.get("method") and same_factor and asked == recorded
 
     def patch_call(self) -> tuple[str, float | None, dict[str, Any]] | None:
         """The ``ctxext.patch`` arguments of this request; None for the unpatched model (``none`` with no options).

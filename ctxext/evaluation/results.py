@@ -20,7 +20,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-from ..core.outputs import first_record
+from ..core.outputs import first_record, write_atomic
 from .tasks.catalog import is_task
 
 RowKey = tuple
@@ -225,18 +225,6 @@ def check_output(output: str | os.PathLike, *, resume: bool, overwrite: bool, fl
             f"--overwrite to replace the results, or choose another {flag}")
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def recorded_pictures(output: str | os.PathLike) -> set[str] | None:
     """The picture files (resolved paths) that the run at ``output`` recorded as its own, in its results JSON and
     its rows header; None where neither records any (nothing there, or a run from before ctxext recorded them)."""
@@ -250,16 +238,17 @@ def recorded_pictures(output: str | os.PathLike) -> set[str] | None:
 
 
 class ResultStore:
-    def __init__(self, output: str | os.PathLike, settings: dict[str, Any], *, resume: bool = False, enabled: bool = True,
+    def __init__(self, output: str | os.PathLike | None, settings: dict[str, Any], *, resume: bool = False, enabled: bool = True,
                  pictures: list[str] | None = None):
         """``enabled=False`` (non-main processes) keeps rows in memory and writes nothing. Reads only: nothing
         is written before the first :meth:`add`. ``pictures``: the files this run draws (recorded in the header,
         so that a --resume may replace them and no other file)."""
         self.pictures = list(pictures or [])
-        self.output = Path(output)
-        self.jsonl = jsonl_path(self.output)
+        # no output (``ctxext.evaluate`` without ``output=``): rows are kept in memory only
+        self.output = Path(output) if output is not None else None
+        self.jsonl = jsonl_path(self.output) if output is not None else None
         self.settings = json.loads(json.dumps(settings, default=str))
-        self.enabled = enabled
+        self.enabled = enabled and output is not None
         self.rows: dict[RowKey, dict[str, Any]] = {}
         self.resumed = 0
         #: Unreadable lines of the resumed JSONL (a cut last line included); they are recomputed.
@@ -268,7 +257,7 @@ class ResultStore:
         self.rejected: list[str] = []
         self._append = False  # True once self.jsonl holds this run's header and ends with a newline
         self._cut = False
-        if resume and self.jsonl.is_file():
+        if resume and self.jsonl is not None and self.jsonl.is_file():
             self._load_previous()
 
     def _load_previous(self) -> None:
@@ -316,7 +305,7 @@ class ResultStore:
         if not self._append:  # a fresh run: header and first row replace whatever was there, in one rename
             self.output.parent.mkdir(parents=True, exist_ok=True)
             header = {"kind": "run", "output": self.output.name, "settings": self.settings, "pictures": self.pictures}
-            _atomic_write(self.jsonl, json.dumps(header) + "\n" + line)
+            write_atomic(self.jsonl, json.dumps(header) + "\n" + line)
             self._append = True
             return
         if self._cut:
@@ -351,7 +340,7 @@ class ResultStore:
         if not self.enabled or not self.rows or not self._append:
             return None
         try:
-            _atomic_write(self.output, json.dumps(document, indent=2, default=str) + "\n")
+            write_atomic(self.output, json.dumps(document, indent=2, default=str) + "\n")
         except OSError as exc:  # a full disk names no file: say which, and that the rows are safe
             raise OSError(f"--output {self.output}: not written ({exc.strerror or exc}); the finished rows "
                           f"are kept in {self.jsonl}: run the same command again with --resume to write it (no row "

@@ -18,6 +18,7 @@ from .models import model_info
 from .passkey import DEFAULT_DEPTHS, passkey_accuracy, passkey_prompt_check
 from .keytokens import key_masks, needed_ranges
 from .perplexity import plan_documents, score_documents
+from .progress import RowProgress, progress_line
 from .requests import ADAPTER_SUFFIX, MethodChoice, MethodRequest, check_request
 from .results import ResultStore, row_key
 from .tasks import Encoder, check_length, task_accuracy
@@ -97,6 +98,9 @@ class ModelJob:
     #: an error), PASSKEY_WHERE_IT_FITS (the demo's default: such a length is skipped with a note) or PASSKEY_NOT
     #: (none: the demo's reference models that were not trained to retrieve).
     passkey: str = PASSKEY_ASKED
+    #: Gives the model back when the job is done, also after an error or Ctrl-C: None drops the model's patch (it
+    #: was loaded for this run); a model object the caller holds is restored as it came (see :mod:`.held`).
+    release: Callable[[Any], None] | None = None
 
 
 def default_lengths(original: int) -> list[int]:
@@ -125,6 +129,7 @@ class Runner:
         self.outcome = Outcome()
         self.main = state is None or state.is_main_process
         self._masks = None  # the current model's key tokens (one bool mask per document), when asked for
+        self.progress = RowProgress()
 
     # -- messages (main process only) -------------------------------------------------------------
     def log(self, message: str) -> None:
@@ -181,7 +186,9 @@ class Runner:
         try:
             self._run_model(job, model, tokenizer, docs, sources, task_plan)
         finally:
-            if describe(model) is not None:
+            if job.release is not None:
+                job.release(model)
+            elif describe(model) is not None:
                 unpatch(model)
             del model
 
@@ -252,6 +259,7 @@ class Runner:
                 done = self.store.done(key)
                 if done is not None and done.get("label") != row_label(req, job):
                     done["label"] = row_label(req, job)
+        self._announce(job, requests, keys)
         # the request that is the loaded patch first, while the model is still as loaded
         current = describe(model)
         for number in sorted(range(len(requests)), key=lambda n: not requests[n].matches(current)):
@@ -290,11 +298,23 @@ class Runner:
                              label=label)
                 row = {**ident, **{k: v for k, v in row.items() if k not in ident}, "spec": spec}
                 self.store.add(row)
+                self.progress.row_done(row.get("seconds"))
                 if "not_applicable" not in row:
-                    self.log(_progress_line(row))
+                    self.log(f"{self.progress.prefix()} {progress_line(row)}{self.progress.eta()}")
         for req in requests:  # labels of rows finished in an earlier (resumed) run
             info["methods"].setdefault(row_label(req, job),
                                        None if req.patch_call() is None else _spec_of(self.store, job.label, req))
+
+    def _announce(self, job: ModelJob, requests: list[MethodRequest], keys: list[list[tuple]]) -> None:
+        """Say what this model's part of the run holds before its first row: rows to run, rows resumed."""
+        planned = sum(len(k) for k in keys)
+        todo = sum(1 for k in keys for key in k if self.store.done(key) is None)
+        self.progress.add(todo)
+        lengths = sorted({key[4] for k in keys for key in k})
+        measures = sorted({key[0] for k in keys for key in k})
+        resumed = f", {planned - todo} resumed" if planned > todo else ""
+        self.log(f"{job.label}: {todo} row(s) to run ({len(requests)} method(s) x {len(lengths)} length(s) x "
+                 f"{', '.join(measures) or 'nothing'}{resumed})")
 
     def _key_masks(self, job: ModelJob, model, info: dict[str, Any], docs, usable: list[int]):
         """The key tokens among every target the perplexity windows will score, found once per model by the
@@ -387,11 +407,3 @@ def _spec_of(store: ResultStore, label: str, req: MethodRequest):
         if row.get("model") == label and row_key(row)[2:4] == (req.method, req.factor):
             return row.get("spec")
     return None
-
-
-def _progress_line(row: dict[str, Any]) -> str:
-    where = f"{row['model']}  {row['label']:<16} L={row['length']:<6}"
-    if row["kind"] == "ppl":
-        ppl = "-" if row["ppl"] is None else f"{row['ppl']:.2f}"
-        return f"{where} ppl {ppl}  ({row['tokens']} tokens, {row['windows']} windows, {row['seconds']:.1f} s)"
-    return f"{where} {row['kind']} {100 * row['accuracy']:.0f}%  ({row['trials']} trials, {row['seconds']:.1f} s)"

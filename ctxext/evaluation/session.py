@@ -35,7 +35,7 @@ def open_run(plan) -> Iterator[Any]:
     to the last write (one writer per output)."""
     state = make_state(plan.device)
     with contextlib.ExitStack() as stack:
-        if state.is_main_process:
+        if state.is_main_process and plan.output is not None:
             stack.enter_context(OutputLock(plan.output, "--output"))
             # X.json and X.txt keep their rows in one X.jsonl: a run on the other name must wait for this one too
             rows = jsonl_path(plan.output)
@@ -61,11 +61,11 @@ def _planned_only(rows: list[dict], plan, outcome, runner) -> list[dict]:
     return [r for r in rows if id(r) not in dropped]
 
 
-def run_plan(plan, state, *, command: str) -> Finished:
+def run_plan(plan, state) -> Finished:
     """Run every job of ``plan``; the final document holds every finished row, also when the run is cut short."""
     store = ResultStore(plan.output, plan.fingerprint(), resume=plan.resume, enabled=state.is_main_process,
                         pictures=plan.pictures)
-    runner = Runner(plan.settings, store, state, command=command)
+    runner = Runner(plan.settings, store, state, command=plan.command)
     for problem in store.rejected:
         runner.log(f"resume: {problem}; not kept, recomputed")
     if store.resumed:

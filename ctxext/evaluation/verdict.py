@@ -100,7 +100,7 @@ def _passkey_verdict(rows: list[dict[str, Any]], ppl_rows: list[dict[str, Any]],
 
 def _retrieval_verdict(rows: list[dict[str, Any]], ppl_rows: list[dict[str, Any]], trained: int) -> Retrieval:
     """Which method retrieves best at the headline length, and which hold perplexity there but do not retrieve."""
-    from .report import task_average, task_names
+    from .task_rows import task_average, task_names
 
     tasks = task_names(rows)
     if not tasks:

@@ -1,35 +1,18 @@
-"""Atomic writes and the never-overwrite rule for the lab's output folder, which holds only a lab run."""
+"""The never-overwrite rule for the lab's output folder, which holds only a lab run, and its JSON writes (whole or not
+at all, through :func:`ctxext.core.outputs.write_atomic`)."""
 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
-from ..core.outputs import give_default_mode
+from ..core.outputs import write_atomic
 
 #: Files whose presence marks a folder as a lab run: written before the first model is trained (models/, by
 #: ``ctxext lab``; shift-models/, by ``lab shift`` training its own), or at the end of a run (lab.json, shift.json).
 RUN_MARKERS = ("models/settings.json", "shift-models/settings.json", "lab.json", "shift.json")
 #: What ``ctxext lab`` writes, apart from models/<scheme>.pt: removed before an --overwrite run trains anything.
 LAB_FILES = ("lab.json", "lab.md", "lab.png", "models/settings.json")
-
-
-def write_atomic(path: Path, data: bytes | str) -> None:
-    """Write ``path`` via a temporary file in the same folder and ``os.replace``: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        give_default_mode(tmp, folder=False)  # mkstemp makes it 0600
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def write_json(path: Path, obj) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .io import write_atomic
+from ..core.outputs import write_atomic
 
 MARKERS = {"sinusoidal": "o", "learned": "s", "rope": "^", "alibi": "D", "nope": "v", "t5": "P"}
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.outputs import check_writable_folder
+from ..core.outputs import check_writable_folder, write_atomic
 from .data import COPY_RANGE, corpus
-from .io import check_lab_folder, check_not_finished, clear_lab_run, write_atomic, write_json
+from .io import check_lab_folder, check_not_finished, clear_lab_run, write_json
 from .model import ModelConfig, build_model
 from .positions import DEFAULT_SCHEMES, SCHEMES
 from .train import evaluate, train_model

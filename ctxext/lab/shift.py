@@ -14,9 +14,9 @@ from pathlib import Path
 
 import torch
 
-from ..core.outputs import check_writable_folder
+from ..core.outputs import check_writable_folder, write_atomic
 from .data import corpus, eval_windows
-from .io import check_lab_folder, check_not_finished, write_atomic, write_json
+from .io import check_lab_folder, check_not_finished, write_json
 from .model import build_model
 from .run import (
     FULL,

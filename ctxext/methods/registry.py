@@ -140,6 +140,21 @@ def validate_options(method: Method, options: dict[str, Any]) -> dict[str, Any]:
     return {**resolved, **extra}
 
 
+def derived_options(method: Method, options: dict[str, Any], *, original_length: int | None,
+                    factor: float | None) -> dict[str, Any]:
+    """``options`` (as :func:`validate_options` returns them) with the defaults the method derives from the original
+    length and the factor filled in: the values the patch runs with. A remap method's position map states them
+    (Self-Extend's group and window, DCA's chunk size and local window, ReRoPE's window, STRING's shift and local,
+    ...); a method that derives none, or an unknown original length, gives ``options`` unchanged. The result gives
+    the same patch as ``options``, and itself again, so a record that holds it reloads to the same patch. PatchError
+    for options the method refuses."""
+    if method.position_map is None or original_length is None:
+        return dict(options)
+    own, temperature_options = temperature.split_options(options)
+    ran = method.position_map(original_length, factor, **{k: v for k, v in own.items() if v is not None}).options
+    return {**own, **ran, **temperature_options}
+
+
 #: The largest whole-number option (window, group, sink tokens, ...): 2**31 - 1 positions.
 INT_OPTION_LIMIT = 2**31 - 1
 

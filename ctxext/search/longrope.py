@@ -19,7 +19,6 @@ import json
 import math
 import shutil
 import sys
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 from torch import nn
 
 from ..core.active import ACTIVE
-from ..core.outputs import first_record
+from ..core.outputs import first_record, staging_folder, write_atomic
 from ..core.errors import PatchError
 from .evolution import ScoreLog, SearchSettings, search
 from .longrope_factors import native_changes, plain_rope_inputs, rescaled, start_points, verify_native
@@ -173,15 +172,15 @@ def longrope_search(model: nn.Module, tokens: torch.Tensor, settings: SearchSett
 
 def _write_checkpoint(model: nn.Module, changes: dict[str, Any], out: Path, tokenizer, result: dict[str, Any]) -> None:
     """The weights as they are, the config with ``changes``, the tokenizer, the result and the marker; written in a
-    folder beside ``out`` and moved in when complete (the log stays where it is)."""
+    staging folder beside ``out`` and moved in once all are written (the log stays where it is; a failure while
+    writing leaves ``out`` as it was)."""
     from ..loading import make_saveable
 
     make_saveable(model)
     config = model.config
     missing = object()
     before = {key: getattr(config, key, missing) for key in changes}
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with staging_folder(out) as tmp:
         for key, value in changes.items():
             setattr(config, key, value)
         try:
@@ -201,9 +200,7 @@ def _write_checkpoint(model: nn.Module, changes: dict[str, Any], out: Path, toke
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(tmp / name), str(target))
         marker = {"written_by": "ctxext search longrope", "files": sorted([LOG, *written])}
-        (out / MARKER).write_text(json.dumps(marker, indent=1) + "\n", encoding="utf-8")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        write_atomic(out / MARKER, json.dumps(marker, indent=1) + "\n")
 
 
 __all__ = ["LOG", "MARKER", "RESULT", "SearchIncomplete", "check_search", "is_search_folder", "is_search_log", "longrope_search", "trained_length"]
