@@ -161,15 +161,15 @@ def unwritten_picture(flag: str, target: str, exc: OSError, plan) -> str:
 
 
 def _replace(target: str, draw) -> str:
-    """Draw into a temporary file beside ``target`` and rename it into place; returns the file written
+    """Draw in a staging folder beside ``target``, then write the picture whole into place; returns the file written
     (``plan.picture_file``: the name the pre-run check expects)."""
+    from ..core.outputs import staging_folder, write_atomic
+
     path = picture_file(Path(target))
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # the suffix tells the format
-    try:
-        draw(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with staging_folder(path) as staging:
+        drawn = staging / path.name  # the suffix tells matplotlib the format
+        draw(drawn)
+        write_atomic(path, drawn.read_bytes())
     return str(path)
 
 

@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core.outputs import write_atomic
 from .longrope_factors import monotone
 
 DECIMALS = 4
@@ -136,7 +137,7 @@ class ScoreLog:
             self.scores[_key(rec["stage"], rec["factors"])] = float(rec["score"])
             kept.append(line)
         if len(kept) != len(rows) or not data.endswith(b"\n"):
-            _replace(self.path, b"".join(line + b"\n" for line in kept))  # appends start on a fresh line
+            write_atomic(self.path, b"".join(line + b"\n" for line in kept))  # appends start on a fresh line
 
     def get(self, stage: float, factors: list[float]) -> float | None:
         return self.scores.get(_key(stage, factors))
@@ -157,19 +158,6 @@ def _parse(line: bytes) -> Any:
         return json.loads(line)
     except (ValueError, RecursionError):  # not JSON, not UTF-8, nested too deep
         return _UNREADABLE
-
-
-def _replace(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temporary file and a rename: a kill leaves the old log or the new one."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with tmp.open("wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _real(value: Any) -> bool:
