@@ -246,3 +246,8 @@ def test_two_processes_return_the_same_results(tmp_path):
         assert (a["label"], a["length"], a["tokens"], a["windows"]) == (b["label"], b["length"], b["tokens"],
                                                                          b["windows"])
         assert b["ppl"] == pytest.approx(a["ppl"], rel=1e-5)
+
+
+def test_an_unknown_argument_is_named():
+    with pytest.raises(TypeError, match="unknown argument.*max_token\\b.*known: .*max_tokens"):
+        ctxext.evaluate("reference:llama", max_token=256)

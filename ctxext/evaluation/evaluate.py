@@ -33,7 +33,11 @@ def evaluate(model: Any = None, tokenizer: Any = None, **settings: Any) -> EvalR
 
     Bad arguments raise ``ValueError`` or ``ctxext.PatchError`` naming the argument before anything loads.
     """
-    return run_request(EvalRequest(model=model, tokenizer=tokenizer, **{"command": "evaluate", **settings}))
+    unknown = sorted(set(settings) - set(EvalRequest.names()) | ({"model", "tokenizer", "command"} & set(settings)))
+    if unknown:
+        known = ", ".join(n for n in EvalRequest.names() if n not in ("model", "tokenizer", "command"))
+        raise TypeError(f"evaluate() got unknown argument(s) {', '.join(unknown)}; known: {known}")
+    return run_request(EvalRequest(model=model, tokenizer=tokenizer, command="evaluate", **settings))
 
 
 def run_request(request: EvalRequest, *, on_finished: Callable[[EvalResults], None] | None = None,
