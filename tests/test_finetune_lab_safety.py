@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from refusals import assert_refused, tree_digest  # noqa: E402
 
 from ctxext.cli import main  # noqa: E402
+from ctxext.finetune import checkpoint as ft_checkpoint  # noqa: E402
 from ctxext.finetune import train as ft_train  # noqa: E402
 from ctxext.lab import run as lab_run  # noqa: E402
 from ctxext.lab import shift as lab_shift  # noqa: E402
@@ -364,7 +365,7 @@ def test_resume_passes_over_a_damaged_checkpoint(stopped, tmp_path, capsys, dama
     assert result["losses"][:4] == pytest.approx(stopped[1], abs=1e-6)  # steps 3-4 redone, the same
     names = sorted(p.name for p in out.glob("*checkpoint-*"))
     assert names == ["checkpoint-2", "checkpoint-4", "damaged-checkpoint-4"], names  # new step 4; the bad one aside
-    assert ft_train.ckpt.damage(out / "checkpoint-4") is None
+    assert ft_checkpoint.damage(out / "checkpoint-4") is None
 
 
 def test_resume_refuses_when_no_checkpoint_is_intact(stopped, tmp_path, capsys, monkeypatch):

@@ -15,7 +15,15 @@ from conftest import tiny_bloom, tiny_gpt2, tiny_llama  # noqa: E402
 
 from ctxext.adapters import config_length  # noqa: E402
 from ctxext.adapters.bloom import BLOOM_TRAINING_LENGTH  # noqa: E402
-from ctxext.finetune.train import _advertised_length  # noqa: E402
+from ctxext.finetune import RecipeError  # noqa: E402
+from ctxext.finetune.checks import lengths  # noqa: E402
+from ctxext.finetune.config import Recipe  # noqa: E402
+
+
+def _advertised_length(model) -> int:
+    """The training length the fine-tune takes for ``model`` given no patch and no data.seq_length: the length the
+    model advertises."""
+    return lengths(Recipe(), None, model)["seq_length"]
 
 
 def test_the_family_says_the_length():
@@ -39,33 +47,37 @@ def test_a_model_no_family_claims_is_read_from_its_config():
     assert _advertised_length(_Unclaimed(max_position_embeddings=96, n_positions=32)) == 96
     assert _advertised_length(_Unclaimed(max_position_embeddings=None, n_positions=32)) == 32
     # only those two, as the fine-tune always read them; the evaluator's model card also reads seq_length, n_ctx
-    assert _advertised_length(_Unclaimed(seq_length=77, n_ctx=5)) is None
+    with pytest.raises(RecipeError, match="data.seq_length is required: the patch gives no target length"):
+        _advertised_length(_Unclaimed(seq_length=77, n_ctx=5))
     assert config_length(_Unclaimed(seq_length=77, n_ctx=5).config) == 77
 
 
 def test_lora_layers_are_known_by_class():
+    """The layers LoRA can adapt, as the refusal of a missing target lists them: nn.Linear and transformers' Conv1D
+    (GPT-2's), known by class; an embedding, or a class that only shares Conv1D's name, is not one."""
     from transformers.pytorch_utils import Conv1D
 
-    from ctxext.finetune.model import _is_linear
+    from ctxext.finetune.model import check_lora
 
-    assert _is_linear(nn.Linear(3, 4)) and _is_linear(Conv1D(4, 3))
-    assert not _is_linear(nn.Embedding(4, 3))
-    named_alike = type("Conv1D", (nn.Module,), {})  # shares the name only: peft could not adapt it either
-    assert not _is_linear(named_alike())
+    class Layers(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.conv, self.emb = nn.Linear(3, 4), Conv1D(4, 3), nn.Embedding(4, 3)
+            self.fake = type("Conv1D", (nn.Module,), {})()  # shares the name only: peft could not adapt it either
+
+    recipe = Recipe(lora={"target_modules": ["absent"]})
+    with pytest.raises(RecipeError) as err:
+        check_lora(recipe, Layers())
+    assert str(err.value).endswith("its linear layers are: conv, lin")
 
 
 def test_an_unpatched_alibi_model_takes_a_pose_target_past_its_training_length():
     """BLOOM's 2048 is where it was trained, not a limit on its positions (ALiBi has no table): PoSE may aim past it,
     as it could before the family answered the length; a learned table still caps the target."""
-    from types import SimpleNamespace
+    def recipe(target, window):
+        return Recipe(train={"pose": {"target_length": target}}, data={"seq_length": window})
 
-    from ctxext.finetune.config import RecipeError
-    from ctxext.finetune.train import _pose_target
-
-    def recipe(target):
-        return SimpleNamespace(train=SimpleNamespace(pose=SimpleNamespace(target_length=target)))
-
-    assert _pose_target(recipe(8192), None, tiny_bloom(), 512) == 8192
+    assert lengths(recipe(8192, 512), None, tiny_bloom())["pose_target"] == 8192
     gpt2 = tiny_gpt2()
     with pytest.raises(RecipeError, match="past the"):
-        _pose_target(recipe(gpt2.config.n_positions * 2), None, gpt2, 16)
+        lengths(recipe(gpt2.config.n_positions * 2, 16), None, gpt2)

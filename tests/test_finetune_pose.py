@@ -179,14 +179,13 @@ def test_probe_accepts_rotary_and_learned_tables_and_refuses_models_without_posi
 
 
 def test_gpt2_without_a_longer_table_is_refused(tmp_path):
-    from ctxext.finetune.config import PoseConfig, Recipe
-    from ctxext.finetune.train import _pose_target
+    from ctxext.finetune.checks import lengths
+    from ctxext.finetune.config import Recipe
 
     model = tiny_gpt2()  # 32 rows
-    recipe = Recipe()
-    recipe.train.pose = PoseConfig(target_length=128)
+    recipe = Recipe(train={"pose": {"target_length": 128}}, data={"seq_length": 16})
     with pytest.raises(RecipeError, match="past the 32 positions the model has"):
-        _pose_target(recipe, None, model, 16)
+        lengths(recipe, None, model)
 
 
 def test_chunks_attend_to_each_other():

@@ -223,12 +223,14 @@ def test_the_run_checks_a_ctxext_reference_name_as_the_check_does():
     assert problems == []
 
 
-def test_a_finished_runs_results_keep_their_numbers(tmp_path):
-    """JSON read as YAML gave 2e-05 back as a string."""
-    from ctxext.finetune.train import _finished_record
+def test_a_finished_runs_results_keep_their_numbers(work):
+    """JSON read as YAML gave 2e-05 back as a string: --resume on a finished run returns its results as written."""
+    from ctxext.finetune import run
 
-    (tmp_path / "results.json").write_text('{"lr": 2e-05, "ppl": 1e+20}\n')
-    assert _finished_record(tmp_path / "results.json") == {"lr": 2e-05, "ppl": 1e20}
+    done = work / "runs" / "done"
+    (done / "results.json").write_text('{"lr": 2e-05, "ppl": 1e+20}\n')
+    recipe = recipe_from_dict(_set(BASE, "output.dir", str(done)), source=str(work / "r.yaml"))
+    assert run(recipe, resume=True, progress=False) == {"lr": 2e-05, "ppl": 1e20}
 
 
 def test_shipped_training_text():

@@ -31,7 +31,7 @@ def register(sub) -> None:
 
 def run(args) -> int:
     from ..finetune import check, load_recipe
-    from ..finetune.train import check_output_folder
+    from ..finetune.outdir import check_output_folder
     from ..finetune import run as run_recipe
 
     # argument checks first: nothing is read, loaded or written for a bad command line

@@ -274,12 +274,6 @@ def add_lora(recipe: Recipe, model: nn.Module, source: str) -> nn.Module:
     return peft_model
 
 
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
-    return trainable, total
-
-
 def bake_position_tables(model: nn.Module) -> bool:
     """In a merged model, let the family turn trained patched modules into the model's own (GPT-2: the trained
     position table becomes a plain, longer ``wpe``). Returns whether anything was baked."""

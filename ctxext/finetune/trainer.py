@@ -15,7 +15,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_callback import ProgressCallback
 
 from . import checkpoint as ckpt
-from .config import Recipe, RecipeError, training_argument_fields
+from .args import training_argument_fields
+from .config import Recipe, RecipeError
 
 def training_arguments(recipe: Recipe, accumulation: int, progress: bool, use_cpu: bool) -> TrainingArguments:
     t = recipe.train
