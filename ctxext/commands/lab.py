@@ -1,5 +1,6 @@
 """`ctxext lab`: tiny decoders that differ only in position encoding, trained from scratch and evaluated at
-1x-8x their training length; `ctxext lab shift`: the start-offset probe (see ctxext.lab)."""
+1x-8x their training length; `ctxext lab shift`: the start-offset probe; `ctxext lab copy`: the encoder copy task of
+the write-up the lab starts from (see ctxext.lab)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import os
 
 def register(sub) -> None:
     p = sub.add_parser("lab", help="reproduce the textbook position-encoding claims on tiny decoders trained from scratch")
-    p.add_argument("probe", nargs="?", choices=["shift"], help="'shift': the start-offset probe instead of the lab")
+    p.add_argument("probe", nargs="?", choices=["shift", "copy"],
+                   help="'shift': the start-offset probe instead of the lab; 'copy': the encoder copy task (tiny "
+                        "bidirectional encoders, several seeds per scheme)")
     p.add_argument("--quick", action="store_true", help="small settings (<= 5 minutes on 2 CPU cores)")
-    p.add_argument("--schemes", default=None, help="comma-separated: sinusoidal,learned,rope,alibi,nope,t5")
+    p.add_argument("--schemes", default=None, help="comma-separated: sinusoidal,learned,rope,alibi,nope,t5 (copy: "
+                   "sinusoidal,learned,rope,alibi,alibi-causal,nope)")
+    p.add_argument("--seeds", type=int, default=None, help="copy: seeds per scheme (default 3)")
     p.add_argument("--steps", type=int, default=None, help="training steps per scheme")
     p.add_argument("--out", default="results/lab", help="output folder (default results/lab)")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG figure")
@@ -37,6 +42,12 @@ def run(args) -> int:
         raise ValueError(f"--threads must be between 1 and 1024, got {args.threads}")
     if args.probe != "shift" and (args.offsets is not None or args.window is not None):
         raise ValueError("--offsets and --window go with 'ctxext lab shift'")
+    if args.probe != "copy" and args.seeds is not None:
+        raise ValueError("--seeds goes with 'ctxext lab copy'")
+    if args.seeds is not None and args.seeds < 1:
+        raise ValueError(f"--seeds must be a positive integer, got {args.seeds}")
+    if args.probe == "copy":
+        return _copy(args)
     if args.schemes is not None:
         parse_schemes(args.schemes)
     offsets = parse_offsets(args.offsets)
@@ -58,6 +69,29 @@ def run(args) -> int:
     finally:
         torch.set_num_threads(threads)
     print(format_table(doc))
+    print()
+    print("\n".join(doc["verdicts"]))
+    return 0
+
+
+def _copy(args) -> int:
+    import torch
+
+    from ..lab.copytask import FULL, QUICK, format_copy, parse_copy_schemes, run_copy
+
+    schemes = parse_copy_schemes(args.schemes)
+    settings = QUICK if args.quick else FULL
+    if args.steps is not None:
+        settings = dataclasses.replace(settings, steps=args.steps)
+    if args.seeds is not None:
+        settings = dataclasses.replace(settings, seeds=args.seeds)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        doc = run_copy(settings, schemes, args.out, overwrite=args.overwrite, plot=not args.no_plot)
+    finally:
+        torch.set_num_threads(threads)
+    print(format_copy(doc))
     print()
     print("\n".join(doc["verdicts"]))
     return 0

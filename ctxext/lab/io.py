@@ -9,8 +9,9 @@ from pathlib import Path
 from ..core.outputs import write_atomic
 
 #: Files whose presence marks a folder as a lab run: written before the first model is trained (models/, by
-#: ``ctxext lab``; shift-models/, by ``lab shift`` training its own), or at the end of a run (lab.json, shift.json).
-RUN_MARKERS = ("models/settings.json", "shift-models/settings.json", "lab.json", "shift.json")
+#: ``ctxext lab``; shift-models/, by ``lab shift`` training its own), or at the end of a run (lab.json, shift.json,
+#: copy.json: ``lab copy`` keeps no models).
+RUN_MARKERS = ("models/settings.json", "shift-models/settings.json", "lab.json", "shift.json", "copy.json")
 #: What ``ctxext lab`` writes, apart from models/<scheme>.pt: removed before an --overwrite run trains anything.
 LAB_FILES = ("lab.json", "lab.md", "lab.png", "models/settings.json")
 

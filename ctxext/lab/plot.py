@@ -78,3 +78,40 @@ def plot_shift(doc: dict, path) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     _save(plt, fig, path)
+
+
+def plot_copy(doc: dict, path) -> None:
+    """The encoder copy task as in the write-up: one bar per scheme (mean accuracy at each length, std as error bar,
+    each seed a dot; "n/a" where the scheme cannot run), and the mean learning curves beside it."""
+    plt, fig, (ax, ax2) = _figure(2, 13)
+    factors = doc["settings"]["factors"]
+    schemes = list(doc["results"])
+    width = 0.8 / len(factors)
+    for j, f in enumerate(factors):
+        xs = [i + (j - (len(factors) - 1) / 2) * width for i in range(len(schemes))]
+        for x, s in zip(xs, schemes):
+            cell = doc["results"][s]["lengths"][f"{f}x"]
+            if "cannot_run" in cell:
+                ax.text(x, 0.02, "n/a", ha="center", va="bottom", rotation=90, fontsize="small")
+                continue
+            ax.bar(x, cell["mean"], width, yerr=cell["std"], capsize=3, color=f"C{j}",
+                   label=f"{f}x ({cell['length']} tokens)" if s == next(
+                       t for t in schemes if "cannot_run" not in doc["results"][t]["lengths"][f"{f}x"]) else None)
+            ax.scatter([x] * len(cell["per_seed"]), cell["per_seed"], s=10, color="black", zorder=3)
+    ax.axhline(0.1, color="gray", linestyle=":", linewidth=1)
+    ax.set_xticks(range(len(schemes)), schemes)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("copy accuracy (chance 0.1, dotted)")
+    ax.set_title(f"Encoder copy task: {doc['settings']['seeds']} seeds per scheme, mean ± std")
+    ax.legend(loc="upper right", fontsize="small")
+    for s in schemes:
+        r = doc["results"][s]
+        ax2.plot(r["curve_steps"], r["curve_mean"], marker=MARKERS.get(s.removesuffix("-causal"), "o"),
+                 linestyle="--" if s.endswith("-causal") else "-", label=s)
+    ax2.set_ylim(-0.05, 1.05)
+    ax2.set_xlabel("training step")
+    ax2.set_ylabel("1x copy accuracy (mean over seeds)")
+    ax2.set_title("Learning curves")
+    ax2.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    _save(plt, fig, path)
