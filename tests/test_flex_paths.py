@@ -133,6 +133,8 @@ def _close(a, b, rows=None, atol=1e-5):
 def test_flex_available_follows_device_and_env(monkeypatch):
     monkeypatch.delenv("CTXEXT_FLEX")
     assert FP.flex_available("cpu") is False
+    assert FP.flex_available("cuda") is False  # opt-in since issue 48: no default path compiles
+    monkeypatch.setenv("CTXEXT_FLEX", "1")
     assert FP.flex_available("cuda") is True
     monkeypatch.setenv("CTXEXT_FLEX", "0")
     assert FP.flex_available("cuda") is False

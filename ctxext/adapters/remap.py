@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from ..core.active import pickle_refusal
-from ..attention import can_use_attention, use_attention
+from ..attention import can_use_attention, key_cache, use_attention
 from ..core.errors import PatchError
 from ..methods.temperature import compose
 from ..methods.remap import REMAP_METHODS, PositionMap, build_map, identity_map, target_length
@@ -265,6 +265,8 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
                 state.map = dataclasses.replace(state.map, query_scale=compose(state.map.query_scale, temperature))
             setattr(module, STATE_ATTR, state)
             undo.append(functools.partial(_drop_state, module))
+            # sees the KV cache before the module appends to it: whether kept rotated keys may be extended
+            undo.append(module.register_forward_pre_hook(key_cache.note_cache, with_kwargs=True).remove)
         undo.append(use_attention(model, REMAP))
     return functools.partial(run_all, undo)
 
@@ -326,6 +328,7 @@ class _LiveRemapState(RemapState):
 
 def _drop_state(module: nn.Module) -> None:
     module.__dict__.pop(STATE_ATTR, None)
+    key_cache.drop(module)  # the kept rotated keys go with the patch
 
 
 def resolved_options(model: nn.Module, method: str, factor: float | None, options: dict[str, Any],

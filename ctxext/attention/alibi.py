@@ -30,6 +30,7 @@ from ..compat import transformers as hf_compat
 from ..methods.alibi import alibi_slopes
 from .features import dropped_features
 from . import optional_kernels
+from .alibi_plan import alibi_plan
 from .flex_paths import flex_alibi, use_flex
 
 ALIBI = "ctxext_alibi"
@@ -141,7 +142,11 @@ def alibi_attention_forward(
     if attention_mask is None and q_start == kv_len - q_len and optional_kernels.usable(query, key, value):
         # flash-attn, where installed: its bottom-right ALiBi is this bias with the queries as the last keys
         return optional_kernels.alibi_attention(query, key, value, _slopes(heads, query.device), scaling, dropout), None
-    if use_flex(query, dropout, key, value):  # a prefill / full pass on CUDA: one block-sparse flex call
+    if q_len == kv_len:  # a full pass on CUDA without flash-attn: about T/4096 biased kernel calls (alibi_plan.py)
+        out = alibi_plan(query, key, value, _slopes(heads, query.device), scaling, attention_mask, dropout)
+        if out is not None:
+            return out, None
+    if use_flex(query, dropout, key, value):  # opt-in (CTXEXT_FLEX=1): one block-sparse flex call
         mask = None if attention_mask is None else attention_mask[:, 0]
         out = flex_alibi(query, key, value, _slopes(heads, query.device), q_start, mask, scaling)
         if out is not None:  # None: an additive mask carrying a bias, which only the sdpa loop below adds

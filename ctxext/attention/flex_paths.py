@@ -23,8 +23,9 @@ Block masks are built once per forward pass, not per layer: a small cache keyed 
 the positions' contents (compared with ``torch.equal``) and the identity of the tensor transformers built the mask
 in (held by weak reference, with its version counter), so the layers of one forward reuse one block mask.
 
-``flex_available(device)``: CUDA and flex importable; ``CTXEXT_FLEX=0`` turns the paths off, ``CTXEXT_FLEX=force``
-turns them on for any device (CPU runs flex eagerly: slow, O(T^2) memory; for tests only).
+``flex_available(device)``: opt-in (issue 48: no default path compiles): ``CTXEXT_FLEX=1`` turns the paths on for
+CUDA with flex importable, ``CTXEXT_FLEX=force`` for any device (CPU runs flex eagerly: slow, O(T^2) memory; for tests
+only); unset or ``0``: off. The compiled calls raise dynamo's recompile limit only around themselves and restore it.
 
 ``use_flex(query, dropout, key, value)``: the callers' test (several queries, no dropout, flex available; off CUDA
 only without autograd, as flex has no CPU backward).
@@ -82,8 +83,9 @@ def _flex_module():
 
 
 def flex_available(device: torch.device | str) -> bool:
-    """Whether the flex paths should run on ``device``: CUDA with flex attention importable, unless ``CTXEXT_FLEX``
-    is ``0`` (off). ``CTXEXT_FLEX=force`` enables them on every device (CPU: eager flex, for tests)."""
+    """Whether the flex paths should run on ``device``: only where asked (they compile on CUDA, about a minute per
+    first call): ``CTXEXT_FLEX=1`` on CUDA with flex attention importable; ``CTXEXT_FLEX=force`` on every device (CPU:
+    eager flex, for tests); unset or ``0``: never."""
     env = os.environ.get("CTXEXT_FLEX", "").strip().lower()
     if env in ("0", "false", "off", "no"):
         return False
@@ -91,7 +93,8 @@ def flex_available(device: torch.device | str) -> bool:
         return False
     if env in ("force", "cpu", "all"):
         return True
-    return torch.device(device).type == "cuda"
+    # opt-in (issue 48): a first compiled call takes about a minute, so no default path compiles
+    return env in ("1", "true", "on", "yes") and torch.device(device).type == "cuda"
 
 
 def use_flex(query: torch.Tensor, dropout: float = 0.0, *others: torch.Tensor) -> bool:

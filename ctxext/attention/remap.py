@@ -15,23 +15,22 @@ exact softmax over the merged scores.
 
 Positions. Queries take ``position_ids`` from the attention kwargs (transformers passes them). Keys are the cache
 slots: the queries are the last ``q_len`` of the ``kv_len`` keys (a full pass, or a dynamic cache), except that
-without a mask and with several queries they are the first ones (transformers drops the mask for a full pass and
-for the prefill of an empty static cache). A key's position is its slot minus the row's offset (slot - position)
-of its latest real query, one that attends to itself; so left padding (masked keys at negative positions) and
-cached decoding see the positions of a full pass over the unpadded row, as long as positions are consecutive
-within a row (as ``generate`` and ``cumsum(mask) - 1`` make them). Without ``position_ids`` the slots are the
-positions.
+without a mask and with several queries they are the first ones (transformers drops the mask for a full pass and for
+the prefill of an empty static cache). A key's position is its slot minus the row's offset (slot - position) of its
+latest real query, one that attends to itself; so left padding (masked keys at negative positions) and cached decoding
+see the positions of a full pass over the unpadded row, as long as positions are consecutive within a row (as
+``generate`` and ``cumsum(mask) - 1`` make them). Without ``position_ids`` the slots are the positions.
 
-Memory. The function never builds a (heads x T x T) tensor for large T. When every pair of the call is within
-the map's ``near`` range (e.g. all within the window), or every query is before the map's ``plain_below`` (DCA's
-first chunk and local window), it rotates q and k once and calls transformers' own sdpa function, so short inputs
-cost what the unpatched model costs. Otherwise the queries go in chunks of at most
-``CHUNK_BYTES`` of scores, each chunk only over the keys up to its last query; a chunk whose pairs all use one
-rotation runs sdpa with a boolean mask; a chunk that mixes rotations runs the ``STRATEGY`` below. A long full pass on
-CPU without autograd under a map that declares its key ranges (``KeySplit``: every method here) skips the chunks: a
-few calls of the fused CPU flash kernel per block of queries, one per key range, merged by log-sum-exp
-(``ctxext.attention.lse``; ``LSE_PATH`` below says exactly when; on CUDA by default on torch 2.11, where it was
-tested, ``CTXEXT_CUDA_LSE=1`` / ``0`` elsewhere).
+Memory. The function never builds a (heads x T x T) tensor for large T. When every pair of the call is within the
+map's ``near`` range (e.g. all within the window), or every query is before the map's ``plain_below`` (DCA's first
+chunk and local window), it rotates q and k once and calls transformers' own sdpa function, so short inputs cost what
+the unpatched model costs. Otherwise the queries go in chunks of at most ``CHUNK_BYTES`` of scores, each chunk only
+over the keys up to its last query; a chunk whose pairs all use one rotation runs sdpa with a boolean mask; a chunk
+that mixes rotations runs the ``STRATEGY`` below. A long full pass on CPU without autograd under a map that declares
+its key ranges (``KeySplit``: every method here) skips the chunks: a few fused CPU flash calls per block of queries,
+one per key range, merged by log-sum-exp (``ctxext.attention.lse``; ``LSE_PATH`` says exactly when; on CUDA by default
+on torch 2.11, where it was tested, ``CTXEXT_CUDA_LSE=1`` / ``0`` elsewhere). A cached step of a few queries rotates
+only the new keys and reads each cached key about once (``ctxext.attention.key_cache``).
 
 Soft-capping and sinks. A model whose attention soft-caps its logits (Gemma 2: ``softcap`` in the call's kwargs,
 ``cap * tanh(score / cap)`` before the mask, as its eager attention does) or adds a learned sink logit per head to
@@ -52,8 +51,9 @@ from torch import nn
 
 from ..compat import transformers as hf_compat
 from ..methods.remap import PositionMap
+from . import key_cache
 from .features import dropped_features
-from .flex_paths import flex_remap, use_flex
+from .cuda_plans import remap_plan
 from .lse import accepts as lse_accepts
 from .lse import available as lse_available
 from .lse import split_attention
@@ -231,7 +231,7 @@ def remap_attention_forward(
         return hf_compat.sdpa_attention()(
             module,
             rotate(query, qpos, inv_freq, att, state.layout, state.start),
-            rotate(key, kpos, inv_freq, att, state.layout, state.start),
+            key_cache.rotated_keys(module, state, key, kpos, q_len, 1, rotate)[0],
             value,
             attention_mask,
             dropout=dropout,
@@ -241,18 +241,20 @@ def remap_attention_forward(
         )
 
     rotations = pmap.rotations
-    keys = [rotate(key, r.key(kpos), inv_freq, att, state.layout, state.start) for r in rotations]
+    keys = key_cache.rotated_keys(module, state, key, kpos, q_len, len(rotations), rotate)  # new keys only, cached
     queries = [rotate(query, r.query(qpos), inv_freq, att, state.layout, state.start) for r in rotations]
     mask = None if attention_mask is None else _as_bool(attention_mask)[:, 0]  # (B or 1, q_len, kv_len)
+    planned = None if eager_only else remap_plan(pmap, queries, keys, value, qpos, kpos, slots, attention_mask,
+                                                 dropout, scaling)
+    if planned is not None:  # CUDA: a few varlen calls (CTXEXT_REMAP_PLAN=emulate: on CPU too) or opt-in flex
+        return planned, None
+    if key_cache.use_decode(q_len, kv_len, dropout, query):  # a cached step: each cached key read about once
+        return key_cache.decode_attention(pmap, queries, keys, value, qpos, kpos, slots, mask, scaling, softcap, sinks)
     # a full pass on CPU without autograd under a map with declared key ranges: fused flash calls, merged by log-sum-exp
     if not eager_only and _use_lse(pmap, query, key, value, dropout, qpos, kpos, mask):
         split = pmap.split
         near_start = split.near_start(torch.arange(q_len, device=query.device))
         return split_attention(queries, keys, value, near_start, split.far_keys, scaling), None
-    # a long prefill / full pass on CUDA: one block-sparse flex call
-    if not eager_only and use_flex(query, dropout, key, value):
-        raw = None if attention_mask is None else attention_mask[:, 0]  # its identity lets layers share a block mask
-        return flex_remap(pmap, queries, keys, value, qpos, kpos, slots, raw, scaling), None
 
     count = len(rotations)
     strategy = "scores" if eager_only else STRATEGY
@@ -326,9 +328,8 @@ def _use_lse(pmap, query, key, value, dropout, qpos, kpos, mask) -> bool:
     return mask is None or _is_causal(mask)
 
 
-#: The last mask ``_is_causal`` read (a weak reference: the same live object, not an address a new mask may reuse),
-#: its version (in-place changes) and the answer: every layer of a forward pass gets the same mask object, which is
-#: read once instead of once per layer (O(T^2) each)
+#: The last mask ``_is_causal`` read (a weak reference: the same live object, not a reused address), its version and
+#: the answer: every layer of a forward pass gets the same mask object, read once, not once per layer (O(T^2) each)
 _LAST_MASK: list = [None, -1, False]
 
 
@@ -424,8 +425,7 @@ PROBE_ATTR = "_ctxext_probe_keys"
 
 def probe_attention_forward(module: nn.Module, query, key, value, attention_mask, **kwargs):
     vars(module).setdefault(PROBE_ATTR, []).append(key.detach().float().clone())
-    # sdpa has no soft-capping or sinks (and refuses softcap): the probe compares keys, which they do not change,
-    # and leaves them out of both of its passes alike
+    # sdpa has no soft-capping or sinks (refuses softcap); they do not change keys: left out of both passes alike
     kwargs = {k: v for k, v in kwargs.items() if k not in ("softcap", "s_aux")}
     return _SDPA(module, query, key, value, attention_mask, **kwargs)
 
