@@ -75,13 +75,12 @@ def drop(module) -> None:
 
 def note_cache(module, args, kwargs):
     """Forward pre-hook: whether the next call may extend the kept copies (see the module docstring)."""
-    keep = entry(module)
     cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))  # the 4.x name too
-    keep.expecting = False
-    if cache is None:
-        keep.mode = None
-        keep.clear()
+    if cache is None:  # a plain forward keeps nothing, and leaves nothing on the module
+        drop(module)
         return None
+    keep = entry(module)
+    keep.expecting = False
     keep.mode = "fresh"
     layers, index = getattr(cache, "layers", None), getattr(module, "layer_idx", None)
     try:
@@ -106,9 +105,10 @@ def rotated_keys(module, state, key, kpos, q_len: int, count: int, rotate) -> li
         keep.mode = None  # one call per hook run
     kv_len = key.shape[2]
     if not KEEP or mode is None or q_len >= kv_len or (torch.is_grad_enabled() and key.requires_grad):
-        if keep is not None and mode is not None:
+        if keep is not None and mode is not None:  # nothing kept (a prefill, a plain pass): nothing left on the module
             keep.expecting = False
             keep.clear()
+            drop(module)
         return _fresh(rotations, key, kpos, args, rotate)
     old = keep.length
     trusted = (mode == "trusted" and old + q_len == kv_len and keep.buffers.keys() >= _fns(rotations, args)

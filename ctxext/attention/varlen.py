@@ -143,8 +143,9 @@ def _call_flash(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable
 
 
 def _efficient(q, k, v, bias, causal: bool, scale: float):
-    out = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)
-    return out[0], out[1][..., : q.shape[2]].float()
+    from ..compat.torch import efficient_attention
+
+    return efficient_attention(q, k, v, bias, causal, scale)
 
 
 def mode() -> str:

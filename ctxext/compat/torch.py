@@ -89,6 +89,14 @@ def cuda_attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return out[0], out[1][..., : q.shape[2]]
 
 
+def efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor | None, causal: bool,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA's memory-efficient op with an additive bias (the ALiBi plan's biased call): output and float32
+    log-sum-exp (batch, heads, q_len); as many key/value heads as query heads."""
+    out = _aten(CUDA_EFFICIENT_OP)(q, k, v, bias, True, 0.0, causal, scale=scale)
+    return out[0], out[1][..., : q.shape[2]].float()
+
+
 def cpu_flash_attention():
     """The private CPU flash op (``torch.ops.aten._scaled_dot_product_flash_attention_for_cpu``), or None."""
     return getattr(torch.ops.aten, CPU_FLASH_OP, None)
