@@ -286,15 +286,20 @@ def _options(value: Any) -> tuple[str, ...]:
     return out
 
 
+def _method_items(methods: Any) -> list:
+    """A list of methods; one ``(method, factor, options)`` tuple given alone is a list of one."""
+    if isinstance(methods, tuple) and methods and isinstance(methods[0], str) and len(methods) <= 3 and (
+            len(methods) == 1 or not isinstance(methods[1], str)):
+        return [methods]
+    return list(methods)
+
+
 def _choice(methods: Any, options: tuple[str, ...]) -> MethodChoice:
     """``methods`` parsed once: a spec string as ``--methods``; a list of names and ``(method, factor[, options])``."""
     if methods is None or isinstance(methods, str):
         return MethodChoice.parse(methods or None, options=list(options))
-    if isinstance(methods, tuple) and methods and isinstance(methods[0], str) and len(methods) <= 3 and (
-            len(methods) == 1 or not isinstance(methods[1], str)):
-        methods = [methods]  # one (method, factor, options) tuple
     names, own = [], []
-    for item in methods:
+    for item in _method_items(methods):
         if isinstance(item, str):
             names.append(item)
         elif isinstance(item, (tuple, list)) and 1 <= len(item) <= 3 and isinstance(item[0], str):
@@ -311,11 +316,8 @@ def _choice(methods: Any, options: tuple[str, ...]) -> MethodChoice:
 
 def _methods_as_given(methods: Any) -> str:
     """A list of methods in the command line's spelling (what a resume compares, as for ``--methods``)."""
-    if isinstance(methods, tuple) and methods and isinstance(methods[0], str) and len(methods) <= 3 and (
-            len(methods) == 1 or not isinstance(methods[1], str)):
-        methods = [methods]
     parts = []
-    for item in methods:
+    for item in _method_items(methods):
         if isinstance(item, str):
             parts.append(item)
         else:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ..core.outputs import check_writable_folder, write_atomic
 from .encoder import COPY_SCHEMES, IGNORE, VOCAB, build_encoder, copy_rows, digit_range
-from .io import check_lab_folder, check_not_finished, write_json
+from .io import check_lab_folder, check_not_finished, format_rows, write_json
 from .model import ModelConfig
 from .run import machine_info
 from .train import lr_at
@@ -232,12 +232,7 @@ def format_copy(doc: dict, markdown: bool = False) -> str:
     title = (f"Encoder copy task: copy accuracy, mean ± std over {st['seeds']} seeds, {st['steps']} steps; training "
              f"rows of 1-{st['max_digits']} digits (length {2 * st['max_digits'] + 1}); at fx every row is longer "
              "than any training row")
-    if markdown:
-        return "\n".join([title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-                         + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    return "\n".join([title] + ["  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths)))
-                                for r in [head] + rows])
+    return format_rows(title, head, rows, markdown=markdown)
 
 
 def run_copy(settings: CopySettings, schemes, out, *, overwrite=False, plot=True, progress=True) -> dict:

@@ -57,3 +57,14 @@ def clear_lab_run(out: Path, schemes) -> None:
         (out / name).unlink(missing_ok=True)
     for scheme in schemes:
         (out / "models" / f"{scheme}.pt").unlink(missing_ok=True)
+
+
+def format_rows(title: str, head: list[str], rows: list[list[str]], *, markdown: bool = False) -> str:
+    """A lab table: Markdown, or plain text with the first column left-aligned and the others right-aligned."""
+    if markdown:
+        return "\n".join([title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+                         + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
+    return "\n".join([title] + ["  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths)))
+                                for r in [head] + rows])
+

@@ -17,7 +17,7 @@ import torch
 
 from ..core.outputs import check_writable_folder, write_atomic
 from .data import COPY_RANGE, corpus
-from .io import check_lab_folder, check_not_finished, clear_lab_run, write_json
+from .io import check_lab_folder, check_not_finished, clear_lab_run, format_rows, write_json
 from .model import ModelConfig, build_model
 from .positions import DEFAULT_SCHEMES, SCHEMES
 from .train import evaluate, train_model
@@ -244,13 +244,7 @@ def format_table(doc: dict, markdown: bool = False) -> str:
                     + [_cell(L[f"{f}x"], "ppl_last_quarter", ".1f") for f in factors]
                     + [_cell(L[f"{f}x"], "copy_accuracy", ".2f") for f in factors] + [f"{res['train_seconds']:.0f}"])
     title = f"Training length {T} tokens; evaluated at {', '.join(f'{f}x' for f in factors)} (ppl on held-out Emma)"
-    if markdown:
-        lines = [title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-        return "\n".join(lines)
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    fmt = lambda r: "  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths)))  # noqa: E731
-    return "\n".join([title, fmt(head)] + [fmt(r) for r in rows])
+    return format_rows(title, head, rows, markdown=markdown)
 
 
 def _lq(res, f):

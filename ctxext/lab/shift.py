@@ -16,7 +16,7 @@ import torch
 
 from ..core.outputs import check_writable_folder, write_atomic
 from .data import corpus, eval_windows
-from .io import check_lab_folder, check_not_finished, write_json
+from .io import check_lab_folder, check_not_finished, format_rows, write_json
 from .model import build_model
 from .run import (
     FULL,
@@ -136,12 +136,7 @@ def format_shift(doc: dict, markdown: bool = False) -> str:
     rows = [[s] + [f"{r['ppl']:.2f}" for r in rows] for s, rows in doc["results"].items()]
     title = (f"Perplexity of {doc['n_windows']} held-out windows of {doc['window']} tokens read at positions k..k+"
              f"{doc['window'] - 1} (trained at {doc['settings']['train_len']})")
-    if markdown:
-        return "\n".join([title, "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-                         + ["| " + " | ".join(r) + " |" for r in rows])
-    widths = [max(len(x) for x in col) for col in zip(head, *rows)]
-    return "\n".join([title] + ["  ".join(x.rjust(w) if i else x.ljust(w) for i, (x, w) in enumerate(zip(r, widths)))
-                                for r in [head] + rows])
+    return format_rows(title, head, rows, markdown=markdown)
 
 
 def run_shift(out, *, quick=False, schemes=None, offsets=None, window=None, n_windows=32, steps=None,
