@@ -4,6 +4,7 @@ them (``--before``: every step re-rotates the whole cache, the path before issue
 
     python benchmarks/bench_decode.py [--models llama,smollm2] [--lengths 4096,16384] [--steps 6] [--threads 1]
                                       [--methods self-extend,dca,...] [--before] [--skip smollm2:16384]
+                                      [--device cpu|cuda]
                                       [--out benchmarks/results/decode_cost.json]
 
 Per (model, length), one process holds every variant on the same weights: ``ctxext.patch`` (factor = length / trained
@@ -17,7 +18,10 @@ instead of six; yarn has its own. ``kept_mib`` is what the kept copies hold at t
 Models: the small random LLaMA (6 layers, hidden 512, 8 heads / 4 KV, trained length 1024) and SmolLM2-135M (GGUF from
 ``../shared/tools/smollm2.sh``; factor = length / 2048, while the maps take the config's own length as the trained
 one, so at 4k some methods still run their within-window path there). 16k on SmolLM2 is left out by default
-(``--skip``): its two prefills alone take several minutes on one thread. Target: per-token time <= 1.3x yarn's.
+(``--skip``): its two prefills alone take several minutes on one thread. ``--device cuda`` runs the small LLaMA in
+bfloat16 on the GPU (the remap methods' cached steps on the CUDA plans where the kernel is installed), each step
+between two ``torch.cuda.synchronize``, cuDNN's attention off (it builds a graph per key length, billed to whichever
+variant reaches a length first). ``--methods none,...`` adds the model unpatched. Target: per-token time <= 1.3x yarn's.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ SMOLLM2_L0 = 2048
 TARGET = 1.3
 
 
-def llama():
+def llama(device: str = "cpu"):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -46,10 +50,13 @@ def llama():
     config = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1408, num_hidden_layers=6,
                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=LLAMA_L0,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, attn_implementation="sdpa")
-    return LlamaForCausalLM(config).eval(), LLAMA_L0
+    model = LlamaForCausalLM(config).eval()
+    if device != "cpu":
+        model = model.to(device=device, dtype=torch.bfloat16)
+    return model, LLAMA_L0
 
 
-def smollm2():
+def smollm2(device: str = "cpu"):
     import torch
 
     import ctxext
@@ -57,6 +64,8 @@ def smollm2():
 
     gguf = smollm2_gguf()
     model = ctxext.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    if device != "cpu":
+        model = model.to(device=device, dtype=torch.bfloat16)
     return model, SMOLLM2_L0
 
 
@@ -69,8 +78,10 @@ def prepared(base, l0, variant, length, cache=None):
     import ctxext
 
     model = copy.deepcopy(base)
-    ctxext.patch(model, variant, None if variant == "string" else length / l0)
+    if variant != "none":  # "none": the model as loaded, a floor for the step's cost
+        ctxext.patch(model, variant, None if variant == "string" else length / l0)
     ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(model.device)
     start = time.perf_counter()
     if cache is None:
         cache = DynamicCache()
@@ -87,10 +98,15 @@ def step(model, cache, token, keep: bool) -> float:
     from ctxext.attention import key_cache
 
     key_cache.KEEP = keep
+    cuda = model.device.type == "cuda"
     try:
+        if cuda:
+            torch.cuda.synchronize()
         start = time.perf_counter()
         with torch.no_grad():
             model(token, past_key_values=cache, use_cache=True)
+        if cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
     finally:
         key_cache.KEEP = True
@@ -135,17 +151,22 @@ def main() -> int:
     parser.add_argument("--shared-prefill", action=argparse.BooleanOptionalAction, default=True,
                         help="the remap methods decode from one prefill's cache (copied; made under the first method)")
     parser.add_argument("--skip", default="smollm2:16384", help="model:length pairs left out (comma-separated)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (bfloat16)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "decode_cost.json"))
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
+    if args.device.startswith("cuda"):
+        # cuDNN's attention builds a graph per new key length (torch 2.11, H200: 46-70 ms in the first model to reach
+        # a length, ~0 in the next): round-robin steps would bill it to whichever variant goes first
+        torch.backends.cuda.enable_cudnn_sdp(False)
     here = Path(__file__).resolve().parent
     sys.path[:0] = [str(here.parent), str(here)]  # this checkout's ctxext, and common.py
     skip = {s for s in args.skip.split(",") if s}
     rows, left_out = [], sorted(skip)
     for name in args.models.split(","):
-        base, l0 = {"llama": llama, "smollm2": smollm2}[name]()
+        base, l0 = {"llama": llama, "smollm2": smollm2}[name](args.device)
         for length in (int(n) for n in args.lengths.split(",")):
             if f"{name}:{length}" in skip:
                 continue
@@ -163,6 +184,7 @@ def main() -> int:
         del base
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "steps": args.steps,
+              "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
               "target_ratio": TARGET, "left_out": left_out, "shared_prefill": args.shared_prefill, "rows": rows}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -182,6 +182,26 @@ def test_kernel_choice_and_one_time_warning(monkeypatch):
         assert varlen.kernels(torch.device("cuda")) is None  # once only
 
 
+@pytest.mark.parametrize("takes_gqa,takes_scale", [(True, True), (False, False), (False, True)])
+def test_older_varlen_attn_signatures_give_the_same_attention(monkeypatch, takes_gqa, takes_scale):
+    """torch 2.11's varlen_attn may lack enable_gqa or scale: the call repeats key heads / folds the scale into the
+    queries and gets what the contract asks for."""
+    def old_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, window_size=(-1, -1), **kw):
+        assert set(kw) <= {name for name, ok in (("enable_gqa", takes_gqa), ("scale", takes_scale)) if ok}
+        out, lse = varlen.varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, window_size=window_size, **kw)
+        return out, lse
+
+    monkeypatch.setattr(varlen, "_torch_varlen", lambda: (old_varlen, lambda lse: None, takes_gqa, takes_scale))
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(40, 4, 8, generator=g), torch.randn(40, 2, 8, generator=g), torch.randn(40, 2, 8, generator=g)
+    cu = torch.tensor([0, 15, 40])
+    args = (q, k, v, cu, cu, 25, 25)
+    ref = varlen.varlen_reference(*args, scale=0.2, window_size=(6, 0), enable_gqa=True)
+    got = varlen._call_torch(*args, scale=0.2, window_size=(6, 0), enable_gqa=True)
+    torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got[1], ref[1], atol=1e-5, rtol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------------------- ALiBi
 
 

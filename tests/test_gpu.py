@@ -247,8 +247,10 @@ def test_a_band_on_cuda_runs_batched_and_matches_the_dense_definition(cuda_merge
 
     monkeypatch.setenv("CTXEXT_BATCHED_BAND", "1")
 
-    for attr, value in (("BLOCK", 48), ("MIN_BLOCK", 16), ("MIN_RUN", 4), ("BATCH_BYTES", 100_000)):
-        monkeypatch.setattr(lse_attention, attr, value)  # small blocks, several groups
+    # small blocks, several groups of several blocks (a budget of 2-4 blocks at these shapes: 100 kB held one)
+    budget = 250_000 * torch.tensor([], dtype=dtype).element_size()
+    for attr, value in (("BLOCK", 48), ("MIN_BLOCK", 16), ("MIN_RUN", 4), ("BATCH_BYTES", budget)):
+        monkeypatch.setattr(lse_attention, attr, value)
     groups = []
     real = lse_attention._near_batched
     monkeypatch.setattr(lse_attention, "_near_batched", lambda *a: groups.append(a[4]) or real(*a))

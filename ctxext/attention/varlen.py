@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import os
 import warnings
 from collections import Counter
@@ -113,10 +114,15 @@ def normalise_lse(lse: torch.Tensor, heads: int, total_q: int) -> torch.Tensor:
 
 @functools.lru_cache(maxsize=None)
 def _torch_varlen():
+    """(varlen_attn, AuxRequest, takes enable_gqa, takes scale), or None where this torch lacks it or its
+    ``window_size`` (torch 2.10 had only ``is_causal``)."""
     try:
         mod = importlib.import_module("torch.nn.attention.varlen")
-        return mod.varlen_attn, mod.AuxRequest
-    except (ImportError, AttributeError):
+        params = inspect.signature(mod.varlen_attn).parameters
+        if "window_size" not in params or "return_aux" not in params:
+            return None
+        return mod.varlen_attn, mod.AuxRequest, "enable_gqa" in params, "scale" in params
+    except (ImportError, AttributeError, TypeError, ValueError):
         return None
 
 
@@ -129,9 +135,20 @@ def _flash_varlen():
 
 
 def _call_torch(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
-    fn, aux = _torch_varlen()
-    out, lse = fn(q, k, v, cu_q, cu_k, max_q, max_k, return_aux=aux(lse=True), scale=scale,
-                  window_size=tuple(window_size), enable_gqa=enable_gqa)
+    fn, aux, takes_gqa, takes_scale = _torch_varlen()
+    extra = {}
+    if enable_gqa and k.shape[1] != q.shape[1]:
+        if takes_gqa:
+            extra["enable_gqa"] = True
+        else:  # an older varlen_attn: the key heads repeated as transformers' repeat_kv pairs them
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if takes_scale:
+        extra["scale"] = scale
+    elif scale is not None:  # its default scale is dim ** -0.5: fold the rest into the queries
+        q = q * (scale * q.shape[-1] ** 0.5)
+    out, lse = fn(q, k, v, cu_q, cu_k, max_q, max_k, return_aux=aux(lse=True), window_size=tuple(window_size),
+                  **extra)
     return out, normalise_lse(lse, q.shape[1], q.shape[0])
 
 
