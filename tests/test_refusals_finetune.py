@@ -276,7 +276,8 @@ def test_relative_paths_read_from_the_recipe_folder(tmp_path, monkeypatch):
 def test_xz_text_and_exclude_by_plain_name(tmp_path):
     import lzma
 
-    from ctxext.finetune.data import expand_files, read_text
+    from ctxext.data.textfiles import read_text
+    from ctxext.finetune.data import expand_files
 
     with lzma.open(tmp_path / "a.txt.xz", "wt") as f:
         f.write("compressed words")

@@ -177,9 +177,11 @@ def run(pieces: list[Piece], queries, keys, value, scale: float, kernel) -> torc
         o, l_ = kernel(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), scale=scale, window_size=window,
                        enable_gqa=enable_gqa)
         l_ = varlen.normalise_lse(l_, heads, q.shape[0]).t()  # (total_q, H)
-        for (p, b), lo, hi in zip(segments, cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        lo = 0  # offsets from the Python lengths: reading cu_q back would wait for the GPU on every call
+        for (p, b), n in zip(segments, lens_q):
             a, e = p.rows
-            _merge(out[b, a:e], lse[b, a:e], o[lo:hi], l_[lo:hi])
+            _merge(out[b, a:e], lse[b, a:e], o[lo:lo + n], l_[lo:lo + n])
+            lo += n
     return out.to(queries[0].dtype)
 
 

@@ -135,18 +135,11 @@ def _type_name(hint: Any) -> str:
     import enum
     import typing
 
-    args = typing.get_args(hint)
-    if args and typing.get_origin(hint) not in (list, dict):
+    args, origin = typing.get_args(hint), typing.get_origin(hint)
+    if args and origin not in (list, dict):
         return " or ".join(dict.fromkeys(_type_name(a) for a in args))
-    if hint is type(None):
-        return "null"
     if isinstance(hint, type) and issubclass(hint, enum.Enum):  # YAML gives an enum field one of its values' names
         return "a string"
-    names = {bool: "true/false", int: "a whole number", float: "a number", str: "a string", dict: "a mapping"}
-    if hint in names:
-        return names[hint]
-    if typing.get_origin(hint) is list or hint is list:
-        return "a list"
-    if typing.get_origin(hint) is dict:
-        return "a mapping"
-    return getattr(hint, "__name__", str(hint))
+    names = {type(None): "null", bool: "true/false", int: "a whole number", float: "a number", str: "a string",
+             list: "a list", dict: "a mapping"}
+    return names.get(origin or hint, getattr(hint, "__name__", str(hint)))

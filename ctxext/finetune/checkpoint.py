@@ -45,14 +45,18 @@ def _step(path: Path) -> int:
     return int(path.name[len(PREFIX):])
 
 
-def checkpoints(out: Path) -> list[Path]:
-    """Complete checkpoints (with ctxext's record), oldest first."""
+def _folders(out: Path) -> list[Path]:
+    """Every ``checkpoint-N`` folder Trainer began, complete or not, oldest first."""
     out = Path(out)
     if not out.is_dir():
         return []
-    found = [p for p in out.iterdir() if p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
-             and (p / STATE).exists()]
-    return sorted(found, key=_step)
+    return sorted((p for p in out.iterdir() if p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()), key=_step)
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """Complete checkpoints (with ctxext's record), oldest first. Not Trainer's ``get_last_checkpoint``: that takes
+    a folder a kill left without the record."""
+    return [p for p in _folders(out) if (p / STATE).exists()]
 
 
 def latest(out: Path) -> Path | None:
@@ -66,9 +70,8 @@ def keep_newest(out: Path, keep: int) -> None:
     if keep <= 0:
         return
     complete = checkpoints(out)
-    newest = _step(complete[-1]) if complete else None
-    partial = [p for p in Path(out).iterdir() if p.name.startswith(PREFIX) and p.name[len(PREFIX):].isdigit()
-               and not (p / STATE).exists() and newest is not None and _step(p) < newest]
+    newest = _step(complete[-1]) if complete else -1
+    partial = [p for p in _folders(out) if not (p / STATE).exists() and _step(p) < newest]
     for path in complete[:-keep] + partial:
         shutil.rmtree(path, ignore_errors=True)
 
@@ -278,26 +281,26 @@ def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def _absolute(recorded: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
+    """A recorded recipe with its data paths absolute: the run's own OUT/recipe.yaml holds them so; a state written
+    before ctxext saved them so holds them as given, read from the current recipe's folder."""
+    recorded = {k: dict(v) if isinstance(v, dict) else v for k, v in recorded.items()}
+    for section, key in (("data", "files"), ("eval", "data")):
+        if isinstance(recorded.get(section), dict) and key in recorded[section]:
+            recorded[section][key] = recipe.absolute_data(recorded[section][key])
+    return recorded
+
+
 def same_eval(saved: dict[str, Any], recipe: Recipe) -> bool:
     """Whether a checkpoint's record was measured under the recipe's eval settings (data paths compared absolute)."""
-    before = dict(saved.get("recipe", {}).get("eval", {}))
-    if "data" in before:
-        before["data"] = recipe.absolute_data(before["data"])
-    return before == recipe.to_dict(absolute_paths=True)["eval"]
+    return _absolute(saved.get("recipe", {}), recipe).get("eval", {}) == recipe.to_dict(absolute_paths=True)["eval"]
 
 
 def check_compatible(path: Path, recipe: Recipe, saved: dict[str, Any] | None = None, finished: bool = False) -> None:
     """A resumed run must be the same run: only keys that do not change the result may differ. ``saved``: the recipe
     the run at ``path`` recorded (default: the checkpoint's record); ``finished``: ``path`` is a finished run's
     folder, which a new run should not replace."""
-    saved = dict(read_state(path).get("recipe", {}) if saved is None else saved)
-    # data paths as absolute ones: the run's own OUT/recipe.yaml holds them so; a state written before ctxext saved
-    # them so holds them as given, read from the current recipe's folder
-    for key in ("files", "data"):
-        section = saved.get("data" if key == "files" else "eval", {})
-        if isinstance(section, dict) and key in section:
-            section[key] = recipe.absolute_data(section[key])
-    saved = _flatten(saved)
+    saved = _flatten(_absolute(read_state(path).get("recipe", {}) if saved is None else saved, recipe))
     now = _flatten(recipe.to_dict(absolute_paths=True))
     changed = sorted(
         k for k in set(saved) | set(now)

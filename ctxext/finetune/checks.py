@@ -50,19 +50,17 @@ def check_recipe(recipe: Recipe, progress: bool):
     model = skeleton(recipe.model)
     if model is None:
         return {"checked_architecture": False}, args
-    problems: list[str] = []
-    spec = None
+    problems, spec = [], None  # both checks' problems reported at once
     try:
         spec = check_patch(recipe, model)
     except RecipeError as exc:
-        problems.extend(exc.problems)
+        problems += exc.problems
     try:
         check_lora(recipe, model)
     except RecipeError as exc:
-        problems.extend(exc.problems)
+        problems += exc.problems
     if problems:
-        count = f"{len(problems)} problems: " if len(problems) > 1 else ""
-        raise recipe.error(count + "; ".join(problems), problems)
+        raise recipe.error((f"{len(problems)} problems: " if len(problems) > 1 else "") + "; ".join(problems), problems)
     if recipe.patch.method is not None and spec is None:  # an adapter that reads weight values: after the load
         return {"checked_architecture": False}, args
     checked = {"checked_architecture": True, "patch": spec, **lengths(recipe, spec, model)}
@@ -78,13 +76,6 @@ def _has_accelerator() -> bool:
 
     probe = getattr(getattr(torch, "accelerator", None), "is_available", None)
     return bool(probe()) if callable(probe) else torch.cuda.is_available()
-
-
-def check_loaded(recipe: Recipe, model, checked: dict) -> None:
-    """Right after the load: the patch and the LoRA targets, where the skeleton could not tell."""
-    if not checked["checked_architecture"]:
-        check_patch(recipe, model)
-        check_lora(recipe, model)
 
 
 def check_patched(recipe: Recipe, model, checked: dict, spec: dict | None) -> tuple[int, int | None]:
@@ -142,8 +133,11 @@ def lengths(recipe: Recipe, spec: dict | None, model) -> dict[str, int]:
             raise recipe.error(f"train.shift_attention: {exc}") from None
     if recipe.train.pose is not None:
         try:
-            if not given:
-                _check_pose_chunks(recipe, seq_length)
+            chunks = recipe.train.pose.chunks
+            if not given and chunks > seq_length:  # each chunk of the default window holds at least one token
+                raise RecipeError(f"train.pose.chunks ({chunks}) is more than the {seq_length} tokens of the training "
+                                  "window (data.seq_length, by default the model's original length): each chunk holds "
+                                  f"at least one token; use at most {seq_length} chunks (the PoSE paper uses 2)")
             found["pose_target"] = _pose_target(recipe, spec, model, seq_length)
         except RecipeError as exc:
             raise recipe.error(str(exc), exc.problems) from None
@@ -169,10 +163,10 @@ def _seq_length(recipe: Recipe, spec: dict | None, model) -> int:
     if recipe.data.seq_length:
         return recipe.data.seq_length
     if recipe.train.pose is not None:
-        if spec and spec.get("original_length"):
-            return int(spec["original_length"])
-        if spec is None and _advertised_length(model):
-            return _advertised_length(model)
+        length = int(spec["original_length"]) if spec and spec.get("original_length") else None
+        length = length or (_advertised_length(model) if spec is None else None)
+        if length:
+            return length
         raise RecipeError("data.seq_length is required with train.pose: the patch records no original length")
     if spec and spec.get("patched_length"):
         return int(spec["patched_length"])
@@ -180,16 +174,6 @@ def _seq_length(recipe: Recipe, spec: dict | None, model) -> int:
     if length:
         return length
     raise RecipeError("data.seq_length is required: the patch gives no target length for this model")
-
-
-def _check_pose_chunks(recipe: Recipe, seq_length: int) -> None:
-    """train.pose.chunks fits the default training window (the model's original length): each chunk holds at least
-    one token."""
-    chunks = recipe.train.pose.chunks
-    if chunks > seq_length:
-        raise RecipeError(f"train.pose.chunks ({chunks}) is more than the {seq_length} tokens of the training window "
-                          f"(data.seq_length, by default the model's original length): each chunk holds at least one "
-                          f"token; use at most {seq_length} chunks (the PoSE paper uses 2)")
 
 
 def _pose_target(recipe: Recipe, spec: dict | None, model, seq_length: int) -> int:

@@ -87,15 +87,8 @@ def recipe_from_dict(data: Any, source: str | None = None, problems: list[str] |
 
 
 def _yaml_kind(value: Any) -> str:
-    if isinstance(value, list):
-        return "list"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, bool):
-        return "true/false"
-    if isinstance(value, (int, float)):
-        return "number"
-    return type(value).__name__
+    kinds = ((list, "list"), (str, "string"), (bool, "true/false"), ((int, float), "number"))
+    return next((name for kind, name in kinds if isinstance(value, kind)), type(value).__name__)
 
 
 #: keys whose values are paths the recipe reads; given with --set they are relative to the working directory

@@ -5,6 +5,7 @@ order on every process, and a sample's index in the run alone says which sequenc
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 from ..data import textfiles
 from .config import DataConfig, RecipeError, expand_files
+from .rules import listed
 
 
 def read_documents(path: Path, text_field: str, key: str) -> Iterator[str]:
@@ -25,27 +27,15 @@ def read_documents(path: Path, text_field: str, key: str) -> Iterator[str]:
         raise RecipeError(f"{key if lines else 'data'}: {exc}") from None
 
 
-def read_text(path: Path) -> str:
-    """A whole file as a recipe reads text (undecodable bytes replaced)."""
-    try:
-        return textfiles.read_text(path, errors="replace")
-    except ValueError as exc:
-        raise RecipeError(f"data: {exc}") from None
-
-
 def iter_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
     """Documents in a fixed order (at most ``max_documents``): a text file, a JSONL line or a dataset row each."""
-    for i, doc in enumerate(_all_documents(paths, cfg)):
-        if cfg.max_documents is not None and i >= cfg.max_documents:
-            return
-        yield doc
+    def every():
+        for f in expand_files(paths, cfg.exclude):
+            yield from read_documents(f, cfg.text_field, "data.files")
+        if cfg.dataset:
+            yield from _dataset_documents(cfg)
 
-
-def _all_documents(paths: list[Path], cfg: DataConfig) -> Iterator[str]:
-    for f in expand_files(paths, cfg.exclude):
-        yield from read_documents(f, cfg.text_field, "data.files")
-    if cfg.dataset:
-        yield from _dataset_documents(cfg)
+    yield from itertools.islice(every(), cfg.max_documents)
 
 
 def _dataset_documents(cfg: DataConfig) -> Iterator[str]:
@@ -214,10 +204,8 @@ def build_packed_data(recipe, tokenizer, seq_length: int, pose_target: int | Non
 
 def read_eval_tokens(recipe, tokenizer) -> tuple[torch.Tensor, str]:
     """The evaluation text as one token stream, and a label for it."""
-    data = recipe.eval.data
-    data = [data] if isinstance(data, str) else list(data)
     texts, labels = [], []
-    for item in data:
+    for item in listed(recipe.eval.data):
         if item in ("reference", "reference:emma"):
             from ..reference import reference_text
 

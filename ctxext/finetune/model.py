@@ -12,10 +12,7 @@ from torch import nn
 from ..compat.transformers import peft_wrap_quietly
 from ..core.errors import PatchError
 from .config import LoraConfig, ModelConfig, Recipe, RecipeError
-
-
-def _dtype(name: str):
-    return "auto" if name == "auto" else getattr(torch, name)
+from .errors import one_line
 
 
 def model_source(cfg: ModelConfig) -> str:
@@ -52,33 +49,27 @@ def load_tokenizer(cfg: ModelConfig):
 
 def load_model(cfg: ModelConfig) -> nn.Module:
     """The base model (float weights, a saved ctxext patch re-applied), in training-ready form."""
-    from ..loading import from_pretrained
+    from ..loading import from_pretrained, name_model
+    from ..reference import reference_name
 
     kw = _load_kwargs(cfg)
-    kw["dtype"] = _dtype(cfg.dtype)
+    kw["dtype"] = "auto" if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     if cfg.attn_implementation:
         kw["attn_implementation"] = cfg.attn_implementation
     try:
         model = from_pretrained(model_source(cfg), **kw)
     except ImportError as exc:  # an attention implementation whose package is missing (flash_attention_2, ...)
         raise _import_error(cfg, exc) from None
-    _name_reference(model, cfg.name)
+    # a shipped reference checkpoint is named reference:NAME where peft records the adapter's base
+    # (adapter_config.json, the model card), not by its folder on this machine
+    if reference_name(cfg.name) is not None:
+        name_model(model, f"reference:{reference_name(cfg.name).strip().lower()}")
     return model
-
-
-def _name_reference(model: nn.Module, name: str) -> None:
-    """A shipped reference checkpoint is named ``reference:NAME`` where peft records the adapter's base
-    (``adapter_config.json``, the model card), not by its folder on this machine."""
-    from ..loading import name_model
-    from ..reference import reference_name
-
-    if reference_name(name) is not None:
-        name_model(model, f"reference:{reference_name(name).strip().lower()}")
 
 
 def _import_error(cfg: ModelConfig, exc: ImportError) -> RecipeError:
     how = f" with model.attn_implementation {cfg.attn_implementation!r}" if cfg.attn_implementation else ""
-    return RecipeError(f"model.name {cfg.name!r} cannot load{how}: {' '.join(str(exc).split())}")
+    return RecipeError(f"model.name {cfg.name!r} cannot load{how}: {one_line(exc)}")
 
 
 def skeleton(cfg: ModelConfig) -> nn.Module | None:
@@ -108,14 +99,10 @@ def check_patch(recipe: Recipe, model: nn.Module) -> dict[str, Any] | None:
     except PatchError as exc:
         raise RecipeError(f"patch does not fit model {recipe.model.name!r}: {exc}") from None
     except (NotImplementedError, RuntimeError):
-        if not _on_meta(model):
+        if not any(q.is_meta for q in model.parameters()):
             raise
         return None  # an adapter that reads weight values: checked again once the weights are loaded
     return spec.to_dict()
-
-
-def _on_meta(model: nn.Module) -> bool:
-    return any(p.is_meta for p in model.parameters())
 
 
 def _plain(model: nn.Module) -> nn.Module:
@@ -124,33 +111,41 @@ def _plain(model: nn.Module) -> nn.Module:
 
 
 def check_lora(recipe: Recipe, model: nn.Module) -> None:
-    """LoRA target and trainable modules must name modules of this model."""
-    lo = recipe.lora
+    """LoRA target and trainable modules must name modules of this model, and lora.r fit the layers it adapts.
+    ctxext's own: peft says only "not found", without the names to pick from, and never checks the rank."""
+    from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
+    from transformers.pytorch_utils import Conv1D  # GPT-2's transposed linear layer, which peft also adapts
+
+    lo, kind = recipe.lora, type(model).__name__
     names = [n for n, _ in model.named_modules() if n]
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_linear(m)})
+    linears = {n: m for n, m in model.named_modules() if n and isinstance(m, (nn.Linear, Conv1D))}
+    linear = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in linears}))
     targets = lo.target_modules
     if isinstance(targets, str) and targets != "all-linear":
         targets = [targets]
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
     problems = []
     if isinstance(targets, list):
-        missing = [t for t in targets if not any(n == t or n.endswith("." + t) or fnmatch.fnmatch(n, t) for n in names)]
+        missing = [t for t in targets if not any(_names(n, t) for n in names)]
         if missing:
-            problems.append(f"lora.target_modules: no module named {', '.join(map(repr, missing))} in "
-                            f"{type(model).__name__}; its linear layers are: {', '.join(linear)}")
-    elif targets is None:
-        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
-
-        if getattr(model.config, "model_type", None) not in defaults:
-            problems.append(f"lora.target_modules: peft has no default for model type "
-                            f"{getattr(model.config, 'model_type', '?')!r}; name them "
-                            f"(its linear layers are: {', '.join(linear)}) or use all-linear")
-    missing = [t for t in lo.trainable if not any(n == t or n.endswith("." + t) or n.endswith(t) for n in names)]
+            problems.append(f"lora.target_modules: no module named {', '.join(map(repr, missing))} in {kind}; its "
+                            f"linear layers are: {linear}")
+    elif targets is None and model_type not in defaults:
+        problems.append(f"lora.target_modules: peft has no default for model type "
+                        f"{getattr(model.config, 'model_type', '?')!r}; name them "
+                        f"(its linear layers are: {linear}) or use all-linear")
+    missing = [t for t in lo.trainable if not any(n == t or n.endswith(t) for n in names)]
     if missing:
         leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
-        problems.append(f"lora.trainable: no module named {', '.join(map(repr, missing))} in "
-                        f"{type(model).__name__}; module names include: {', '.join(leaves[:40])}")
-    if not problems:
-        full = _full_rank(model, targets)
+        problems.append(f"lora.trainable: no module named {', '.join(map(repr, missing))} in {kind}; module names "
+                        f"include: {', '.join(leaves[:40])}")
+    if not problems:  # the largest rank LoRA can reach: min(in, out) over the layers it adapts
+        targets = list(defaults.get(model_type, [])) if targets is None else targets
+        out = getattr(model, "get_output_embeddings", lambda: None)()
+        ranks = [min(m.weight.shape) for n, m in linears.items()
+                 if (m is not out if targets == "all-linear" else any(_names(n, t) for t in targets))
+                 and getattr(m, "weight", None) is not None and m.weight.dim() == 2]
+        full = max(ranks, default=None)
         if full and lo.r > full:
             problems.append(f"lora.r ({lo.r}) is larger than the rank any targeted layer can have (at most {full}, "
                             "the smaller side of its weight): the update B @ A cannot exceed it, so the extra rank "
@@ -159,34 +154,9 @@ def check_lora(recipe: Recipe, model: nn.Module) -> None:
         raise RecipeError("; ".join(problems), problems)
 
 
-def _full_rank(model: nn.Module, targets) -> int | None:
-    """The largest min(in, out) over the linear layers LoRA would adapt (None when none is found)."""
-    if targets is None:
-        from peft.utils import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as defaults
-
-        targets = list(defaults.get(getattr(model.config, "model_type", None), []))
-    out = getattr(model, "get_output_embeddings", lambda: None)()
-    ranks = []
-    for n, m in model.named_modules():
-        if not n or not _is_linear(m):
-            continue
-        if targets == "all-linear":
-            if m is out:
-                continue
-        elif not any(n == t or n.endswith("." + t) or fnmatch.fnmatch(n, t) for t in targets):
-            continue
-        weight = getattr(m, "weight", None)
-        if weight is not None and weight.dim() == 2:
-            ranks.append(min(weight.shape))
-    return max(ranks) if ranks else None
-
-
-def _is_linear(m: nn.Module) -> bool:
-    """A layer LoRA adapts: ``nn.Linear``, or transformers' ``Conv1D`` (GPT-2's transposed linear layer, the one
-    peft also adapts; in ``transformers.pytorch_utils`` in every supported release)."""
-    from transformers.pytorch_utils import Conv1D
-
-    return isinstance(m, (nn.Linear, Conv1D))
+def _names(name: str, target: str) -> bool:
+    """Whether a target_modules entry names the module ``name``: as peft matches (the name or its suffix), or a glob."""
+    return name == target or name.endswith("." + target) or fnmatch.fnmatch(name, target)
 
 
 def apply_patch(recipe: Recipe, model: nn.Module) -> dict[str, Any] | None:
@@ -272,11 +242,3 @@ def add_lora(recipe: Recipe, model: nn.Module, source: str) -> nn.Module:
         raise RecipeError(f"lora: {exc}") from None
     adapter.after_lora(peft_model)
     return peft_model
-
-
-def bake_position_tables(model: nn.Module) -> bool:
-    """In a merged model, let the family turn trained patched modules into the model's own (GPT-2: the trained
-    position table becomes a plain, longer ``wpe``). Returns whether anything was baked."""
-    from ..adapters import adapter_for
-
-    return adapter_for(model).bake_trained(model)

@@ -102,7 +102,9 @@ def finished_record(path: Path) -> dict:
 def _refuse_foreign_folder(out: Path) -> None:
     """A folder that holds files but no run (no run log, no checkpoints) is the user's: a run would replace its
     README.md and recipe.yaml, so it is refused, with --overwrite too."""
-    if not out.is_dir() or _is_run_log(out / RUN_LOG) or ckpt.checkpoints(out) or ckpt.old_layout(out):
+    if not out.is_dir() or ckpt.checkpoints(out) or ckpt.old_layout(out):
+        return
+    if (first_record(out / RUN_LOG) or {}).get("event") in ("start", "eval"):  # a run's log, not a user's log.jsonl
         return
     held = sorted(p.name for p in out.iterdir())
     if held:
@@ -110,12 +112,6 @@ def _refuse_foreign_folder(out: Path) -> None:
         raise RecipeError(f"output.dir {str(out)!r} holds files that are not a ctxext finetune run ({listed}); a run "
                           "writes README.md, recipe.yaml and the adapter there and would replace files of the same "
                           "name: give a new or empty folder")
-
-
-def _is_run_log(path: Path) -> bool:
-    """Whether ``path`` is the log a run writes (its first line the run's start or its evaluation before the patch):
-    a ``log.jsonl`` of the user's does not make the folder a run's."""
-    return (first_record(path) or {}).get("event") in ("start", "eval")
 
 
 def check_output_folder(recipe: Recipe) -> None:

@@ -21,6 +21,7 @@ from . import rules
 from .errors import RecipeError
 from .rules import is_shipped
 
+
 def _not_bool(value: Any) -> Any:
     """pydantic's lax mode reads true as 1: a true / false given for a number is a mistake."""
     if isinstance(value, bool):
@@ -36,12 +37,9 @@ NotNegative = Annotated[Int, Ge(0)]
 #: a seed every random generator a run seeds takes (numpy's is the narrowest: 0 <= seed < 2**32)
 Seed = Annotated[Int, Ge(0), Lt(2 ** 32)]
 
-#: The most micro-batches one optimizer step may run: train.batch_size / train.micro_batch_size, over all processes
-#: (gradient accumulation x processes). A step runs them all before its first update, so a larger count is a mistake
-#: in the recipe, not a batch anyone trains with (LoRA recipes use global batches of 8 to a few hundred sequences):
-#: 10**12 would sit at step 0 for ever. 4096 is a global batch of 4096 sequences one at a time, far past any recipe.
+#: The most micro-batches (gradient accumulation x processes) one optimizer step may run: far past any recipe (the
+#: refusal says why), where 10**12 would sit at step 0 for ever.
 MAX_MICRO_BATCHES = 4096
-
 
 
 def refused(problems: list[str]) -> PydanticCustomError:
@@ -390,7 +388,7 @@ class Recipe(BaseModel):
         def fix(item):
             if not isinstance(item, str) or item == "reference" or is_shipped(item):
                 return item
-            return str(self.resolve_path(item))
+            return str(rules.resolve(item, self.source))
 
         return [fix(v) for v in value] if isinstance(value, list) else fix(value)
 
@@ -402,10 +400,6 @@ class Recipe(BaseModel):
     def base_dir(self) -> Path:
         """The folder relative data paths are read from: the recipe file's folder, else the working directory."""
         return rules.base_dir(self.source)
-
-    def resolve_path(self, path: str) -> Path:
-        """A path the recipe reads (data.files, eval.data): absolute, or relative to :attr:`base_dir`."""
-        return rules.resolve(path, self.source)
 
     def data_paths(self, items: list[str], key: str) -> list[Path]:
         """Paths of data entries: ``reference:NAME`` -> the shipped files, anything else -> :meth:`resolve_path`."""

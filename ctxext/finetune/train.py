@@ -20,11 +20,10 @@ import torch
 
 from ..attention.shifted_sparse import enable_shift_attention
 from . import checkpoint as ckpt
-from .checks import (check, check_data_size, check_eval_windows, check_loaded, check_output, check_patched,
-                     check_recipe, world_size)
+from .checks import check, check_data_size, check_eval_windows, check_output, check_patched, check_recipe, world_size
 from .config import Recipe, RecipeError, check_model_sources
 from .data import RunSamples, build_packed_data, read_eval_tokens
-from .model import add_lora, apply_patch, bake_position_tables, load_model, load_tokenizer, model_source
+from .model import add_lora, apply_patch, check_lora, check_patch, load_model, load_tokenizer, model_source
 from .outdir import PATCH_FILE, RUN_LOG, clear_run, model_files, remove_if_made, start_state
 
 __all__ = ["Job", "check", "finish", "format_summary", "prepare", "run", "train"]
@@ -132,7 +131,9 @@ def _load(job: Job) -> None:
                               f"evaluation text ({job.eval_label}), which would score nothing; use lengths up to {n} "
                               "or more eval.data")
     job.model = load_model(recipe.model)
-    check_loaded(recipe, job.model, job.checked)
+    if not job.checked["checked_architecture"]:  # what the skeleton could not tell
+        check_patch(recipe, job.model)
+        check_lora(recipe, job.model)
     job.record = {"elapsed": 0.0, "unpatched": None, "before": None, "losses": [], "data_sha256": None,
                   "model_files": model_files(recipe)}
     job.model.to(job.args.device)
@@ -345,11 +346,13 @@ def _summary(job: Job, step: int, after: dict | None) -> dict[str, Any]:
 
 
 def _save_merged(job: Job, peft_model) -> str:
+    from ..adapters import adapter_for
+
     merged_dir = job.out / "merged"
     if job.main:
         merged = peft_model.merge_and_unload()
         merged.config.use_cache = True
-        if bake_position_tables(merged):
+        if adapter_for(merged).bake_trained(merged):  # the family makes trained patched modules the model's own
             job.say("merged: the trained position table is saved as the model's own (no patch to re-apply)")
         merged.save_pretrained(str(merged_dir))
         job.tokenizer.save_pretrained(str(merged_dir))

@@ -17,6 +17,8 @@ from transformers.trainer_callback import ProgressCallback
 from . import checkpoint as ckpt
 from .args import training_argument_fields
 from .config import Recipe, RecipeError
+from .errors import one_line
+
 
 def training_arguments(recipe: Recipe, accumulation: int, progress: bool, use_cpu: bool) -> TrainingArguments:
     t = recipe.train
@@ -56,7 +58,7 @@ def _exception_text(exc: BaseException) -> str:
     import importlib.metadata
 
     text = exc.args[0] if isinstance(exc, importlib.metadata.PackageNotFoundError) and exc.args else exc
-    return " ".join(str(text).split())
+    return one_line(text)
 
 
 #: train.args fields that need a package ctxext does not install: field -> (the package as pip names it, the
@@ -92,7 +94,7 @@ def _check_optimizer(recipe: Recipe, args: TrainingArguments) -> None:
     try:
         Trainer.get_optimizer_cls_and_kwargs(args)
     except ImportError as exc:
-        raise recipe.error(f"train.args.optim: {getattr(args.optim, 'value', args.optim)}: {' '.join(str(exc).split())}") from None
+        raise recipe.error(f"train.args.optim: {getattr(args.optim, 'value', args.optim)}: {one_line(exc)}") from None
     except Exception:  # noqa: BLE001 - an optimizer that needs the model to be built (GaLore): left to Trainer
         pass
     if args.lr_scheduler_kwargs:
@@ -104,7 +106,7 @@ def _check_optimizer(recipe: Recipe, args: TrainingArguments) -> None:
                           num_training_steps=args.max_steps, scheduler_specific_kwargs=dict(args.lr_scheduler_kwargs))
         except (TypeError, ValueError) as exc:
             raise recipe.error(f"train.args.lr_scheduler_kwargs: the {recipe.train.scheduler} schedule refused "
-                               f"{args.lr_scheduler_kwargs}: {' '.join(str(exc).split())}") from None
+                               f"{args.lr_scheduler_kwargs}: {one_line(exc)}") from None
 
 
 def _check_reporting(recipe: Recipe, report_to) -> None:
