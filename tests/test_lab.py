@@ -12,10 +12,10 @@ import torch
 from ctxext.cli import main
 from ctxext.lab import run as lab_run
 from ctxext.lab import shift as lab_shift
-from ctxext.lab.data import COPY_RANGE, IGNORE, SEP, copy_batch
+from ctxext.lab.data import COPY_RANGE, IGNORE, SEP, copy_batch, copy_span, training_batches
 from ctxext.lab.model import ModelConfig, build_model
 from ctxext.lab.positions import SCHEMES, Alibi, Learned, Rope, alibi_slopes, sinusoidal_table, t5_bucket
-from ctxext.lab.run import LabSettings, run_lab, verdicts
+from ctxext.lab.run import LabSettings, curve_note, run_lab, verdicts
 from ctxext.lab.train import perplexity
 
 TINY = LabSettings(train_len=16, d_model=32, n_layers=1, n_heads=4, d_ff=64, batch=4, steps=3, warmup=1,
@@ -50,8 +50,20 @@ def test_quick_lab_trains_and_evaluates_every_scheme(lab_out):
     assert "ppl" not in two and "cannot run past its 16 positions" in two["cannot_run"]
     md = (out / "lab.md").read_text()
     assert "cannot run" in md and "| alibi |" in md
+    assert "1x copy accuracy during training" in md and "(steps 1, 2, 3)" in md
     assert saved["machine"]["torch"] == torch.__version__ and saved["machine"]["cpu_count"]
     assert saved["verdicts"] == verdicts(saved["results"], 16)
+
+
+def test_learning_curve_is_recorded_and_ends_at_the_1x_copy_accuracy(lab_out):
+    _, doc = lab_out
+    for s in SCHEMES:
+        res = doc["results"][s]
+        curve = res["copy_curve"]
+        assert [p["step"] for p in curve] == [1, 2, 3]  # curve_points 5 capped at the 3 steps
+        assert all(0 <= p["copy_accuracy"] <= 1 for p in curve)
+        # the last checkpoint is the trained model on the 1x evaluation's sequences
+        assert curve[-1]["copy_accuracy"] == res["lengths"]["1x"]["copy_accuracy"]
 
 
 def test_existing_result_is_not_overwritten(lab_out, monkeypatch):
@@ -255,6 +267,53 @@ def test_schemes_share_everything_but_the_position_encoding():
         sd = build_model(cfg, s).state_dict()
         assert {k for k in sd if not k.startswith("pe.")} == set(ref)
         assert all(torch.equal(sd[k], ref[k]) for k in ref)
+
+
+def test_inconclusive_verdict_shows_whether_the_curve_still_rises():
+    def curve(*acc):
+        return [{"step": 100 * (i + 1), "copy_accuracy": a} for i, a in enumerate(acc)]
+
+    assert "still rising" in curve_note(curve(0.0, 0.05, 0.1, 0.2, 0.3)) and "0.10 -> 0.20 -> 0.30" in \
+        curve_note(curve(0.0, 0.05, 0.1, 0.2, 0.3))
+    assert "flat" in curve_note(curve(0.0, 0.01, 0.0, 0.01, 0.0)) and "rising" not in curve_note(curve(0, 0, 0, 0, 0))
+    assert "flat" in curve_note(curve(0.1, 0.3, 0.2, 0.2, 0.21))  # below an earlier point: not rising
+    assert curve_note([]) == "" and curve_note(None) == ""
+    res = {"alibi": _res({1: 100, 2: 99, 4: 101, 8: 105}, copy={1: 0.3})}
+    res["alibi"]["copy_curve"] = curve(0.0, 0.1, 0.2, 0.25, 0.3)
+    (v,) = verdicts(res, 64)
+    assert "inconclusive" in v and "still rising" in v and "0.20 -> 0.25 -> 0.30 (steps 100, 200, 300, 400, 500)" in v
+    res["alibi"]["copy_curve"] = curve(0.0, 0.0, 0.0, 0.0, 0.0)
+    (v,) = verdicts(res, 64)
+    assert "inconclusive" in v and "curve flat" in v
+    res["alibi"] = _res({1: 100, 2: 99, 4: 101, 8: 105}, copy={1: 0.9})
+    res["alibi"]["copy_curve"] = curve(0.0, 0.5, 0.9)
+    (v,) = verdicts(res, 64)
+    assert "inconclusive" not in v and "curve" not in v  # a judged claim needs no curve
+
+
+def test_copy_curriculum_packs_shorter_spans():
+    gen = torch.Generator().manual_seed(0)
+    ids, tgt = copy_batch(2, 40, gen, span=5)
+    assert ids.shape == tgt.shape == (2, 40)
+    at = 0
+    while at < 40 and ids[0, at] == SEP and (tgt[0, at:] != IGNORE).any():  # walk the units [SEP x SEP x]
+        seps = (ids[0, at + 1:] == SEP).nonzero().flatten()
+        L = int(seps[0])
+        assert torch.equal(ids[:, at + 1:at + 1 + L], ids[:, at + L + 2:at + 2 * L + 2])
+        assert torch.equal(tgt[:, at + L + 1:at + 2 * L + 1], ids[:, at + L + 2:at + 2 * L + 2])
+        assert L in (5, 1)
+        at += 2 * L + 2
+    assert at == 40  # the units fill the row: three of span 5 and one of span 1
+    # the full span (or None) is the one-unit row; the schedule grows to it and stays there
+    assert torch.equal(copy_batch(2, 40, torch.Generator().manual_seed(1), span=19)[0],
+                       copy_batch(2, 40, torch.Generator().manual_seed(1))[0])
+    spans = [copy_span(s, 100, 130, 0.5) for s in range(100)]
+    assert spans[0] == 8 and spans == sorted(spans) and spans[50:] == [64] * 50
+    assert {copy_span(s, 100, 130, 0.0) for s in range(100)} == {64}
+    # curriculum 0 gives the lab's rows unchanged
+    a = list(training_batches(torch.arange(5000), 3, 4, 20, 0, 0.5))
+    b = list(training_batches(torch.arange(5000), 3, 4, 20, 0, 0.5, curriculum=0.0))
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
 
 
 def test_copy_batch_scores_only_the_copy():

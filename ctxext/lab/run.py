@@ -20,7 +20,7 @@ from .data import COPY_RANGE, corpus
 from .io import check_lab_folder, check_not_finished, clear_lab_run, format_rows, write_json
 from .model import ModelConfig, build_model
 from .positions import DEFAULT_SCHEMES, SCHEMES
-from .train import evaluate, train_model
+from .train import copy_accuracy, evaluate, train_model
 
 #: A scheme "degrades" when its last-quarter perplexity at DEGRADE_FACTOR x the training length is at least
 #: DEGRADE_RATIO times its value at 1x.
@@ -41,6 +41,10 @@ RECALL_LOW = 0.2
 #: that learned the copy task at 1x (copy accuracy at least CONTEXT_COPY_MIN). A model that does not use context
 #: cannot show context extension either way; its verdict says "inconclusive" with the number.
 CONTEXT_COPY_MIN = 0.5
+#: An inconclusive verdict shows the 1x copy-accuracy curve (``LabSettings.curve_points`` checkpoints): "still
+#: rising" when its last point is its highest and at least RISE_MIN above the point two checkpoints earlier (more
+#: steps would likely have helped), "flat" otherwise.
+RISE_MIN = 0.02
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class LabSettings:
     lr: float = 2e-3
     warmup: int = 30
     copy_fraction: float = 0.5
+    curriculum: float = 0.0  # fraction of the steps over which the copy span grows to full (data.copy_span)
+    curve_points: int = 5  # 1x copy-accuracy checkpoints during training (the learning curve)
     factors: tuple[int, ...] = (1, 2, 4, 8)
     eval_windows: int = 16
     copy_seqs: int = 32
@@ -78,6 +84,10 @@ class LabSettings:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if not 0 <= self.copy_fraction <= 1:
             raise ValueError(f"copy_fraction must be in [0, 1], got {self.copy_fraction!r}")
+        if not 0 <= self.curriculum <= 1:
+            raise ValueError(f"curriculum must be in [0, 1], got {self.curriculum!r}")
+        if not isinstance(self.curve_points, int) or isinstance(self.curve_points, bool) or self.curve_points < 0:
+            raise ValueError(f"curve_points must be an integer >= 0, got {self.curve_points!r}")
         if not self.factors or any(not isinstance(f, int) or f < 1 for f in self.factors):
             raise ValueError(f"factors must be positive integers, got {self.factors!r}")
         if self.warmup < 0:
@@ -163,12 +173,23 @@ def save_model(model, path: Path) -> None:
 
 
 def train_scheme(scheme, settings: LabSettings, stream):
+    """(model, last loss, seconds, curve): the curve is [{"step", "copy_accuracy"}] at 1x, on the same sequences
+    as the 1x evaluation (so its last point is the 1x copy accuracy)."""
     model = build_model(settings.model_config(), scheme, seed=settings.seed)
+    curve, steps = [], settings.steps
+    points = min(settings.curve_points, steps)
+
+    def checkpoint(m):
+        step = round(steps * (len(curve) + 1) / points)
+        curve.append({"step": step, "copy_accuracy": copy_accuracy(m, settings.train_len, settings.copy_seqs,
+                                                                   settings.seed + 100 + 1)})
+
     t = time.perf_counter()
-    loss = train_model(model, stream, steps=settings.steps, batch=settings.batch, length=settings.train_len,
-                       lr=settings.lr, warmup=min(settings.warmup, settings.steps), seed=settings.seed + 1,
-                       copy_fraction=settings.copy_fraction)
-    return model, loss, time.perf_counter() - t
+    loss = train_model(model, stream, steps=steps, batch=settings.batch, length=settings.train_len,
+                       lr=settings.lr, warmup=min(settings.warmup, steps), seed=settings.seed + 1,
+                       copy_fraction=settings.copy_fraction, curriculum=settings.curriculum,
+                       checkpoint=checkpoint, checkpoints=points)
+    return model, loss, time.perf_counter() - t, curve
 
 
 def _log(msg, progress):
@@ -193,7 +214,7 @@ def run_lab(settings: LabSettings, schemes, out, *, overwrite=False, plot=True, 
     write_json(out / "models" / "settings.json", {"settings": dataclasses.asdict(settings), "schemes": schemes})
     results = {}
     for scheme in schemes:
-        model, loss, secs = train_scheme(scheme, settings, train)
+        model, loss, secs, curve = train_scheme(scheme, settings, train)
         _log(f"lab: {scheme}: trained {settings.steps} steps, loss {loss:.3f} ({secs:.0f}s; "
              f"{time.perf_counter() - t0:.0f}s elapsed)", progress)
         save_model(model, model_path(out, scheme))
@@ -201,7 +222,8 @@ def run_lab(settings: LabSettings, schemes, out, *, overwrite=False, plot=True, 
         ev = evaluate(model, held, train_len=settings.train_len, factors=settings.factors,
                       windows=settings.eval_windows, copy_seqs=settings.copy_seqs, seed=settings.seed + 100)
         results[scheme] = {"final_train_loss": loss, "train_seconds": secs, "eval_seconds": time.perf_counter() - t,
-                           "parameters": sum(p.numel() for p in model.parameters()), "lengths": ev}
+                           "parameters": sum(p.numel() for p in model.parameters()), "copy_curve": curve,
+                           "lengths": ev}
         _log(f"lab: {scheme}: evaluated ({time.perf_counter() - t:.0f}s; {time.perf_counter() - t0:.0f}s elapsed)",
              progress)
     doc = {
@@ -214,10 +236,11 @@ def run_lab(settings: LabSettings, schemes, out, *, overwrite=False, plot=True, 
         "thresholds": {"DEGRADE_FACTOR": DEGRADE_FACTOR, "DEGRADE_RATIO": DEGRADE_RATIO,
                        "EXTRAPOLATE_RATIO": EXTRAPOLATE_RATIO, "NOPE_COPY_KEEP": NOPE_COPY_KEEP,
                        "CONTEXT_COPY_MIN": CONTEXT_COPY_MIN, "RECALL_HIGH": RECALL_HIGH, "RECALL_LOW": RECALL_LOW,
-                       "NOPE_COPY_MIN": NOPE_COPY_MIN},
+                       "NOPE_COPY_MIN": NOPE_COPY_MIN, "RISE_MIN": RISE_MIN},
         "wall_seconds": time.perf_counter() - t0,
     }
-    write_atomic(out / "lab.md", format_table(doc, markdown=True) + "\n\n" + "\n".join(f"- {v}" for v in doc["verdicts"]) + "\n")
+    write_atomic(out / "lab.md", format_table(doc, markdown=True) + "\n\n" + "\n".join(f"- {v}" for v in doc["verdicts"])
+                 + "\n" + format_curves(results))
     if plot:
         from .plot import plot_lab
 
@@ -247,6 +270,13 @@ def format_table(doc: dict, markdown: bool = False) -> str:
     return format_rows(title, head, rows, markdown=markdown)
 
 
+def format_curves(results: dict) -> str:
+    """lab.md's learning-curve section: each scheme's 1x copy accuracy at its checkpoints ('' without curves)."""
+    lines = [f"- {s}: {' -> '.join(format(p['copy_accuracy'], '.2f') for p in r['copy_curve'])} (steps "
+             f"{', '.join(str(p['step']) for p in r['copy_curve'])})" for s, r in results.items() if r.get("copy_curve")]
+    return "\n1x copy accuracy during training:\n\n" + "\n".join(lines) + "\n" if lines else ""
+
+
 def _lq(res, f):
     r = res["lengths"].get(f"{f}x")
     return None if r is None or "cannot_run" in r else r["ppl_last_quarter"]
@@ -258,8 +288,20 @@ def _judged(held: bool, res: dict) -> str:
     if copy is None or copy < CONTEXT_COPY_MIN:
         shown = "n/a" if copy is None else f"{copy:.2f}"
         return (f"inconclusive: copy accuracy {shown} at 1x < {CONTEXT_COPY_MIN:g}, the model does not read far "
-                f"context (would read {'held' if held else 'NOT held'})")
+                f"context (would read {'held' if held else 'NOT held'}){curve_note(res.get('copy_curve'))}")
     return "held" if held else "NOT held"
+
+
+def curve_note(curve) -> str:
+    """'; 1x copy curve still rising: a -> b -> c (steps ...)' or '...flat...'; '' without a curve."""
+    if not curve:
+        return ""
+    acc = [p["copy_accuracy"] for p in curve]
+    before = acc[-3] if len(acc) >= 3 else acc[0]
+    rising = len(acc) >= 2 and acc[-1] >= max(acc[:-1]) and acc[-1] - before >= RISE_MIN
+    shape = "still rising, the step budget was the limit" if rising else "flat"
+    steps = ", ".join(str(p["step"]) for p in curve)
+    return f"; 1x copy curve {shape}: {' -> '.join(f'{a:.2f}' for a in acc)} (steps {steps})"
 
 
 def verdicts(results: dict, train_len: int) -> list[str]:

@@ -191,7 +191,7 @@ def run_shift(out, *, quick=False, schemes=None, offsets=None, window=None, n_wi
                                                              "schemes": schemes})
         models = {}
         for s in schemes:
-            models[s], loss, secs = train_scheme(s, settings, train)
+            models[s], loss, secs, _ = train_scheme(s, settings, train)
             if progress:
                 print(f"lab shift: {s}: trained {settings.steps} steps, loss {loss:.3f} ({secs:.0f}s)", file=sys.stderr,
                       flush=True)

@@ -18,12 +18,17 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
-def train_model(model, stream, *, steps, batch, length, lr, warmup, seed, copy_fraction=0.5, weight_decay=0.01):
-    """Train ``model`` in place on the fixed batch sequence given by ``seed``; returns the last loss."""
+def train_model(model, stream, *, steps, batch, length, lr, warmup, seed, copy_fraction=0.5, weight_decay=0.01,
+                curriculum=0.0, checkpoint=None, checkpoints=0):
+    """Train ``model`` in place on the fixed batch sequence given by ``seed``; returns the last loss.
+    ``checkpoint(model)``, if given, is called (in eval mode) after each of ``checkpoints`` evenly spaced steps,
+    the last one included: a learning curve."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     model.train()
     loss = float("nan")
-    for step, (ids, tgt) in enumerate(training_batches(stream, steps, batch, length, seed, copy_fraction)):
+    at = {round(steps * (i + 1) / checkpoints) for i in range(checkpoints)} if checkpoint and checkpoints else set()
+    batches = training_batches(stream, steps, batch, length, seed, copy_fraction, curriculum)
+    for step, (ids, tgt) in enumerate(batches):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, steps, lr, warmup)
         logits = model(ids)
@@ -33,6 +38,10 @@ def train_model(model, stream, *, steps, batch, length, lr, warmup, seed, copy_f
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         loss = float(out.detach())
+        if step + 1 in at:
+            model.eval()
+            checkpoint(model)
+            model.train()
     model.eval()
     return loss
 
