@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Probe: which training settings make the lab's decoders learn the copy task at their training length (issue 50).
 
-    python benchmarks/lab_copy_probe.py --schemes alibi,nope,sinusoidal --steps 500 --curriculum 0.6 \
+    python benchmarks/lab_copy_probe.py --schemes alibi,nope,sinusoidal --steps 500 --copy-warmup 500 \
         --out benchmarks/results/lab_issue50/probes.jsonl
 
 Trains one lab decoder per scheme (``ctxext.lab``'s model, data and schedule; the lab's defaults unless an option
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--copy-fraction", type=float, default=d.copy_fraction)
-    p.add_argument("--curriculum", type=float, default=0.0, help="fraction of the steps over which the copy span grows")
+    p.add_argument("--copy-warmup", type=int, default=d.copy_warmup, help="copy-only warm-up steps before the mixed ones")
     p.add_argument("--checkpoints", type=int, default=5)
     p.add_argument("--copy-seqs", type=int, default=d.copy_seqs)
     p.add_argument("--note", default="")
@@ -46,14 +46,14 @@ def main(argv=None) -> int:
         model = build_model(cfg, scheme, seed=d.seed)
         curve, t0 = [], time.perf_counter()
 
-        def check(m):
+        def check(m, step):
             curve.append(round(copy_accuracy(m, d.train_len, a.copy_seqs, d.seed + 101), 4))
-            print(f"  {scheme}: checkpoint {len(curve)}: copy 1x {curve[-1]:.2f} ({time.perf_counter() - t0:.0f}s)",
+            print(f"  {scheme}: step {step}: copy 1x {curve[-1]:.2f} ({time.perf_counter() - t0:.0f}s)",
                   flush=True)
 
         loss = train_model(model, train, steps=a.steps, batch=a.batch, length=d.train_len, lr=a.lr,
                            warmup=min(a.warmup, a.steps), seed=d.seed + 1, copy_fraction=a.copy_fraction,
-                           curriculum=a.curriculum, checkpoint=check, checkpoints=a.checkpoints)
+                           copy_warmup=a.copy_warmup, checkpoint=check, checkpoints=a.checkpoints)
         row = {"scheme": scheme, **{k: v for k, v in vars(a).items() if k not in ("schemes", "out")},
                "curve_copy_1x": curve, "final_loss": loss, "seconds": round(time.perf_counter() - t0, 1)}
         print(json.dumps(row), flush=True)

@@ -12,14 +12,15 @@ import torch
 from ctxext.cli import main
 from ctxext.lab import run as lab_run
 from ctxext.lab import shift as lab_shift
-from ctxext.lab.data import COPY_RANGE, IGNORE, SEP, copy_batch, copy_span, training_batches
+from ctxext.lab.data import (COPY_RANGE, IGNORE, SEP, copy_batch, copy_warmup_batches, training_batches,
+                             warmup_spans)
 from ctxext.lab.model import ModelConfig, build_model
 from ctxext.lab.positions import SCHEMES, Alibi, Learned, Rope, alibi_slopes, sinusoidal_table, t5_bucket
 from ctxext.lab.run import LabSettings, curve_note, run_lab, verdicts
 from ctxext.lab.train import perplexity
 
 TINY = LabSettings(train_len=16, d_model=32, n_layers=1, n_heads=4, d_ff=64, batch=4, steps=3, warmup=1,
-                   factors=(1, 2), eval_windows=2, copy_seqs=4)
+                   factors=(1, 2), eval_windows=2, copy_seqs=4, copy_warmup=2)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,7 @@ def test_quick_lab_trains_and_evaluates_every_scheme(lab_out):
     assert "ppl" not in two and "cannot run past its 16 positions" in two["cannot_run"]
     md = (out / "lab.md").read_text()
     assert "cannot run" in md and "| alibi |" in md
-    assert "1x copy accuracy during training" in md and "(steps 1, 2, 3)" in md
+    assert "1x copy accuracy during training" in md and "(steps 3, 4, 5)" in md
     assert saved["machine"]["torch"] == torch.__version__ and saved["machine"]["cpu_count"]
     assert saved["verdicts"] == verdicts(saved["results"], 16)
 
@@ -60,10 +61,24 @@ def test_learning_curve_is_recorded_and_ends_at_the_1x_copy_accuracy(lab_out):
     for s in SCHEMES:
         res = doc["results"][s]
         curve = res["copy_curve"]
-        assert [p["step"] for p in curve] == [1, 2, 3]  # curve_points 5 capped at the 3 steps
+        assert [p["step"] for p in curve] == [3, 4, 5]  # curve_points 5 capped at the 3 mixed steps, after 2 warm-up
         assert all(0 <= p["copy_accuracy"] <= 1 for p in curve)
         # the last checkpoint is the trained model on the 1x evaluation's sequences
         assert curve[-1]["copy_accuracy"] == res["lengths"]["1x"]["copy_accuracy"]
+
+
+def test_parallel_jobs_give_the_serial_numbers(lab_out, tmp_path):
+    """run_lab(jobs=2) trains the schemes in spawned worker processes and gets what the serial run got."""
+    _, serial = lab_out
+    doc = run_lab(TINY, ["rope", "alibi"], tmp_path, plot=False, progress=False, jobs=2)
+    for s in ("rope", "alibi"):
+        a, b = doc["results"][s], serial["results"][s]
+        assert a["lengths"] == b["lengths"] and a["copy_curve"] == b["copy_curve"]
+        assert a["final_train_loss"] == b["final_train_loss"]
+        assert (tmp_path / "models" / f"{s}.pt").is_file()
+    with pytest.raises(ValueError, match="jobs must be a positive integer"):
+        run_lab(TINY, ["rope"], tmp_path / "x", plot=False, progress=False, jobs=0)
+    assert not (tmp_path / "x").exists()
 
 
 def test_existing_result_is_not_overwritten(lab_out, monkeypatch):
@@ -90,6 +105,8 @@ def test_overwrite_replaces_the_result(tmp_path):
     (["lab", "--offsets", "0,16"], "--offsets"),
     (["lab", "shift", "--offsets", "0,x"], "integers"),
     (["lab", "shift", "--quick", "--offsets", "0,1000"], "exceeds the learned table"),
+    (["lab", "--jobs", "0"], "--jobs"),
+    (["lab", "shift", "--jobs", "2"], "--jobs goes with the lab itself"),
 ])
 def test_bad_arguments_fail_before_training(argv, message, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(lab_run, "corpus", lambda: pytest.fail("trained despite bad arguments"))
@@ -291,29 +308,66 @@ def test_inconclusive_verdict_shows_whether_the_curve_still_rises():
     assert "inconclusive" not in v and "curve" not in v  # a judged claim needs no curve
 
 
-def test_copy_curriculum_packs_shorter_spans():
-    gen = torch.Generator().manual_seed(0)
-    ids, tgt = copy_batch(2, 40, gen, span=5)
-    assert ids.shape == tgt.shape == (2, 40)
-    at = 0
-    while at < 40 and ids[0, at] == SEP and (tgt[0, at:] != IGNORE).any():  # walk the units [SEP x SEP x]
-        seps = (ids[0, at + 1:] == SEP).nonzero().flatten()
-        L = int(seps[0])
-        assert torch.equal(ids[:, at + 1:at + 1 + L], ids[:, at + L + 2:at + 2 * L + 2])
-        assert torch.equal(tgt[:, at + L + 1:at + 2 * L + 1], ids[:, at + L + 2:at + 2 * L + 2])
-        assert L in (5, 1)
-        at += 2 * L + 2
-    assert at == 40  # the units fill the row: three of span 5 and one of span 1
-    # the full span (or None) is the one-unit row; the schedule grows to it and stays there
-    assert torch.equal(copy_batch(2, 40, torch.Generator().manual_seed(1), span=19)[0],
-                       copy_batch(2, 40, torch.Generator().manual_seed(1))[0])
-    spans = [copy_span(s, 100, 130, 0.5) for s in range(100)]
-    assert spans[0] == 8 and spans == sorted(spans) and spans[50:] == [64] * 50
-    assert {copy_span(s, 100, 130, 0.0) for s in range(100)} == {64}
-    # curriculum 0 gives the lab's rows unchanged
-    a = list(training_batches(torch.arange(5000), 3, 4, 20, 0, 0.5))
-    b = list(training_batches(torch.arange(5000), 3, 4, 20, 0, 0.5, curriculum=0.0))
-    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+def test_copy_warmup_rows_are_single_units_of_growing_span():
+    """The warm-up's rows are each one copy unit [SEP x SEP x], as long as the unit, with only the copy scored;
+    the span runs 8, 16, ... below the full span, then the full span, in equal stages."""
+    assert warmup_spans(128) == [8, 16, 32, 63]
+    assert warmup_spans(64) == [8, 16, 31]
+    assert warmup_spans(16) == [7]
+    batches = list(copy_warmup_batches(8, 3, 64, seed=0))
+    spans = [(ids.shape[1] - 2) // 2 for ids, _ in batches]
+    assert spans == [8, 8, 8, 16, 16, 16, 31, 31]
+    for ids, tgt in batches:
+        L = (ids.shape[1] - 2) // 2
+        assert ids.shape == tgt.shape == (3, 2 * L + 2)
+        assert (ids[:, 0] == SEP).all() and (ids[:, L + 1] == SEP).all()
+        assert torch.equal(ids[:, 1:L + 1], ids[:, L + 2:])
+        assert torch.equal(tgt[:, L + 1:2 * L + 1], ids[:, L + 2:])
+        assert (tgt[:, :L + 1] == IGNORE).all() and (tgt[:, 2 * L + 1:] == IGNORE).all()
+    assert list(copy_warmup_batches(0, 3, 64, seed=0)) == []
+
+
+def test_copy_warmup_comes_first_and_leaves_the_mixed_batches_unchanged(monkeypatch):
+    """train_model runs the warm-up's batches, then exactly the mixed batches a run without warm-up sees, and
+    counts the curve's steps from the start of the warm-up."""
+    from ctxext.lab import train as lab_train
+
+    seen = []
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=4, d_ff=64, train_len=16)
+    model = build_model(cfg, "nope", seed=0)
+    real_forward = type(model).forward
+    monkeypatch.setattr(type(model), "forward", lambda self, ids, position_ids=None: (
+        seen.append(ids.clone()) or real_forward(self, ids, position_ids)))
+    steps_at = []
+    lab_train.train_model(model, torch.arange(5000) % 4096, steps=3, batch=4, length=16, lr=1e-3, warmup=1, seed=5,
+                          copy_warmup=2, checkpoint=lambda m, step: steps_at.append(step), checkpoints=3)
+    warm = list(copy_warmup_batches(2, 4, 16, seed=6))
+    mixed = list(training_batches(torch.arange(5000) % 4096, 3, 4, 16, 5, 0.5))
+    train_ids = [x for x in seen if x.shape[0] == 4][:5]  # the checkpoints' copy-accuracy calls come in between
+    assert [tuple(x.shape) for x in train_ids[:2]] == [(4, 16), (4, 16)]  # span 7 = the full span at length 16
+    assert torch.equal(train_ids[0], warm[0][0]) and torch.equal(train_ids[1], warm[1][0])
+    assert all(torch.equal(x, y[0]) for x, y in zip(train_ids[2:], mixed))
+    assert steps_at == [3, 4, 5]
+
+
+def test_decoder_sinusoidal_table_matches_the_token_scale():
+    """The decoder's sinusoidal table is the paper's table times TOKEN_INIT_STD * sqrt(2) (entry RMS = token std);
+    the encoder keeps the unscaled table."""
+    from ctxext.lab.model import TOKEN_INIT_STD
+    from ctxext.lab.positions import sinusoidal_table
+
+    cfg = ModelConfig(d_model=32, n_layers=1, n_heads=4, d_ff=64, train_len=16)
+    dec = build_model(cfg, "sinusoidal", seed=0)
+    x = torch.zeros(1, 16, 32)
+    pos = torch.arange(16)
+    got = dec.pe.embed(x, pos)[0]
+    assert torch.allclose(got, TOKEN_INIT_STD * math.sqrt(2) * sinusoidal_table(pos, 32), atol=0, rtol=1e-6)
+    assert abs(float(got.pow(2).mean().sqrt()) - TOKEN_INIT_STD) < 0.002
+    assert abs(float(dec.tok.weight.detach().std()) - TOKEN_INIT_STD) < 0.002
+    from ctxext.lab.encoder import TinyEncoder
+    enc = TinyEncoder(cfg, "sinusoidal")
+    d = enc.pe.dim
+    assert torch.equal(enc.pe.embed(torch.zeros(1, 4, d), torch.arange(4))[0], sinusoidal_table(torch.arange(4), d))
 
 
 def test_copy_batch_scores_only_the_copy():

@@ -24,7 +24,7 @@ from ctxext.lab.model import build_model  # noqa: E402
 from ctxext.lab.run import LabSettings, run_lab  # noqa: E402
 
 TINY = LabSettings(train_len=16, d_model=32, n_layers=1, n_heads=4, d_ff=64, batch=4, steps=1, warmup=1,
-                   factors=(1,), eval_windows=2, copy_seqs=4)
+                   factors=(1,), eval_windows=2, copy_seqs=4, copy_warmup=2)
 STREAM = torch.arange(5000) % 4096
 
 

@@ -24,6 +24,9 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: these matmuls are tiny, and on shared cores two threads measured "
                         "3-5x slower than one)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="schemes trained at once, each in its own process with --threads threads (default: 2 where "
+                        "the machine has 2 or more cores, else 1; the numbers do not depend on it)")
     p.add_argument("--offsets", default=None, help="shift: comma-separated start offsets (default 0,16,32,64,T-W)")
     p.add_argument("--window", type=int, default=None, help="shift: window length W (default training length / 8)")
     p.set_defaults(func=run)
@@ -40,6 +43,10 @@ def run(args) -> int:
         raise ValueError(f"--steps must be a positive integer, got {args.steps}")
     if not 1 <= args.threads <= 1024:  # torch allocates per thread: a typo's 100000 ends in a MemoryError
         raise ValueError(f"--threads must be between 1 and 1024, got {args.threads}")
+    if args.jobs is not None and not 1 <= args.jobs <= 64:
+        raise ValueError(f"--jobs must be between 1 and 64, got {args.jobs}")
+    if args.jobs is not None and args.probe is not None:
+        raise ValueError(f"--jobs goes with the lab itself, not 'ctxext lab {args.probe}'")
     if args.probe != "shift" and (args.offsets is not None or args.window is not None):
         raise ValueError("--offsets and --window go with 'ctxext lab shift'")
     if args.probe != "copy" and args.seeds is not None:
@@ -64,8 +71,9 @@ def run(args) -> int:
         settings = QUICK if args.quick else FULL
         if args.steps is not None:
             settings = dataclasses.replace(settings, steps=args.steps)
+        jobs = args.jobs if args.jobs is not None else min(2, os.cpu_count() or 1)
         doc = run_lab(settings, parse_schemes(args.schemes), args.out, overwrite=args.overwrite,
-                      plot=not args.no_plot)
+                      plot=not args.no_plot, jobs=jobs)
     finally:
         torch.set_num_threads(threads)
     print(format_table(doc))

@@ -1,9 +1,10 @@
 """Token streams (the shipped Austen novels, held-out *Emma*) and copy-task batches.
 
 A copy sequence of total length n is ``[SEP, x_1..x_L, SEP, x_1..x_L]`` with L = (n - 2) // 2 random tokens
-drawn from ``COPY_RANGE``; only the second copy is scored (in training and in evaluation). A training row may
-instead hold several shorter units ``[SEP, x, SEP, x]`` of span ``span`` back to back (the copy curriculum, see
-``copy_span``): short distances first, growing to the full row.
+drawn from ``COPY_RANGE``; only the second copy is scored (in training and in evaluation). Before the lab's mixed
+training, a copy warm-up (``copy_warmup_batches``) trains on copy rows alone, one unit per row, the span growing
+stage by stage: a decoder without a fixed-offset route (ALiBi, NoPE, a sinusoidal table) needs an induction circuit
+to copy, and that circuit forms on short copies first (issue 50's probes).
 """
 
 from __future__ import annotations
@@ -34,41 +35,41 @@ def corpus() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.tensor(train, dtype=torch.long), torch.tensor(held, dtype=torch.long)
 
 
-def copy_batch(n: int, length: int, gen: torch.Generator, span: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` copy sequences of total ``length`` and their targets (IGNORE except on the copies). ``span`` None (or
-    the full span (length - 2) // 2): one unit per row. A shorter ``span``: units of that span back to back, the last
-    one shortened to fill the row."""
-    full = (length - 2) // 2
-    if full < 1:
+def copy_batch(n: int, length: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` copy sequences of total ``length`` and their targets (IGNORE except on the copies). An odd length
+    ends in one unscored SEP."""
+    L = (length - 2) // 2
+    if L < 1:
         raise ValueError(f"copy sequences need length >= 4, got {length}")
-    span = full if span is None else max(1, min(int(span), full))
-    rows, targets, at = [], [], 0
-    while length - at >= 4:
-        L = min(span, (length - at - 2) // 2)
-        if length - at - (2 * L + 2) < 4:  # a remainder too short for a unit joins this one
-            L = (length - at - 2) // 2
-        x = torch.randint(COPY_RANGE[0], COPY_RANGE[1], (n, L), generator=gen)
-        sep = torch.full((n, 1), SEP, dtype=torch.long)
-        rows.append(torch.cat([sep, x, sep, x], dim=1))
-        t = torch.full_like(rows[-1], IGNORE)
-        # position p predicts token p+1: the second copy starts at index L + 2, predicted from index L + 1
-        t[:, L + 1: 2 * L + 1] = x
-        targets.append(t)
-        at += 2 * L + 2
-    if length - at:
-        rows.append(torch.full((n, length - at), SEP, dtype=torch.long))
-        targets.append(torch.full((n, length - at), IGNORE, dtype=torch.long))
-    return torch.cat(rows, dim=1), torch.cat(targets, dim=1)
+    x = torch.randint(COPY_RANGE[0], COPY_RANGE[1], (n, L), generator=gen)
+    sep = torch.full((n, 1), SEP, dtype=torch.long)
+    parts = [sep, x, sep, x] + ([sep] if length - 2 * L - 2 else [])
+    ids = torch.cat(parts, dim=1)
+    t = torch.full_like(ids, IGNORE)
+    # position p predicts token p+1: the second copy starts at index L + 2, predicted from index L + 1
+    t[:, L + 1: 2 * L + 1] = x
+    return ids, t
 
 
-def copy_span(step: int, steps: int, length: int, curriculum: float, first: int = 8) -> int:
-    """The copy span at ``step`` of ``steps``: ``first`` growing linearly to the full span (length - 2) // 2 over the
-    first ``curriculum`` fraction of the steps, the full span after (and always, with ``curriculum`` 0)."""
+def warmup_spans(length: int) -> list[int]:
+    """The copy warm-up's spans for rows of ``length``: 8, 16, 32, ... below the full span (length - 2) // 2, then
+    the full span."""
     full = (length - 2) // 2
-    ramp = curriculum * steps
-    if ramp <= 0 or step >= ramp:
-        return full
-    return min(full, max(1, round(first + (full - first) * step / ramp)))
+    spans, s = [], 8
+    while s < full:
+        spans.append(s)
+        s *= 2
+    return spans + [full]
+
+
+def copy_warmup_batches(steps: int, batch: int, length: int, seed: int):
+    """``steps`` copy-only batches of ``batch`` rows, each row one copy unit as long as its span needs
+    (2 * span + 2 tokens); the span runs through ``warmup_spans(length)`` in equal stages."""
+    gen = torch.Generator().manual_seed(seed)
+    spans = warmup_spans(length)
+    for step in range(steps):
+        span = spans[min(len(spans) - 1, step * len(spans) // steps)]
+        yield copy_batch(batch, 2 * span + 2, gen)
 
 
 def text_batch(stream: torch.Tensor, n: int, length: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,19 +79,17 @@ def text_batch(stream: torch.Tensor, n: int, length: int, gen: torch.Generator) 
     return win[:, :-1], win[:, 1:]
 
 
-def training_batches(stream: torch.Tensor, steps: int, batch: int, length: int, seed: int, copy_fraction: float = 0.5,
-                     curriculum: float = 0.0):
+def training_batches(stream: torch.Tensor, steps: int, batch: int, length: int, seed: int, copy_fraction: float = 0.5):
     """The same sequence of (ids, targets) batches for every scheme: ``batch`` rows, the first
-    round(batch * (1 - copy_fraction)) text windows, the rest copy sequences (of span ``copy_span``)."""
+    round(batch * (1 - copy_fraction)) text windows, the rest copy sequences."""
     gen = torch.Generator().manual_seed(seed)
     n_copy = int(round(batch * copy_fraction))
-    for step in range(steps):
+    for _ in range(steps):
         parts = []
         if batch - n_copy:
             parts.append(text_batch(stream, batch - n_copy, length, gen))
         if n_copy:
-            c, ct = copy_batch(n_copy, length, gen, copy_span(step, steps, length, curriculum))
-            parts.append((c, ct))
+            parts.append(copy_batch(n_copy, length, gen))
         yield torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 

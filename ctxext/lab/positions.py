@@ -46,14 +46,18 @@ def sinusoidal_table(pos: torch.Tensor, dim: int, base: float = 10000.0) -> torc
 
 
 class Sinusoidal(PositionEncoding):
+    """The fixed table times ``scale``: its entries have RMS ``scale / sqrt(2)``. Vaswani et al. scale the token
+    embeddings up by sqrt(d_model) so that the table does not drown them; the lab's decoder scales the table down to
+    its token embeddings' size instead (``model.TinyDecoder``)."""
+
     name = "sinusoidal"
 
-    def __init__(self, dim: int):
+    def __init__(self, dim: int, scale: float = 1.0):
         super().__init__()
-        self.dim = dim
+        self.dim, self.scale = dim, scale
 
     def embed(self, x, pos):
-        return x + sinusoidal_table(pos, self.dim).to(x.device, x.dtype)
+        return x + self.scale * sinusoidal_table(pos, self.dim).to(x.device, x.dtype)
 
 
 class Learned(PositionEncoding):
@@ -156,11 +160,12 @@ class T5Bias(PositionEncoding):
         return self.table(b).permute(2, 0, 1)
 
 
-def make_position_encoding(scheme: str, *, d_model: int, n_heads: int, train_len: int) -> PositionEncoding:
+def make_position_encoding(scheme: str, *, d_model: int, n_heads: int, train_len: int,
+                           sinusoidal_scale: float = 1.0) -> PositionEncoding:
     if scheme == "nope":
         return PositionEncoding()
     if scheme == "sinusoidal":
-        return Sinusoidal(d_model)
+        return Sinusoidal(d_model, sinusoidal_scale)
     if scheme == "learned":
         return Learned(d_model, train_len)
     if scheme == "rope":

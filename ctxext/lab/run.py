@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..core.outputs import check_writable_folder, write_atomic
-from .data import COPY_RANGE, corpus
+from .data import COPY_RANGE, corpus, warmup_spans
 from .io import check_lab_folder, check_not_finished, clear_lab_run, format_rows, write_json
 from .model import ModelConfig, build_model
 from .positions import DEFAULT_SCHEMES, SCHEMES
@@ -51,7 +51,7 @@ RISE_MIN = 0.02
 class LabSettings:
     train_len: int = 128
     d_model: int = 128
-    n_layers: int = 2
+    n_layers: int = 3  # NoPE needs a layer to recover positions before a 2-layer induction circuit (issue 50)
     n_heads: int = 4
     d_ff: int = 512
     batch: int = 24
@@ -59,7 +59,7 @@ class LabSettings:
     lr: float = 2e-3
     warmup: int = 30
     copy_fraction: float = 0.5
-    curriculum: float = 0.0  # fraction of the steps over which the copy span grows to full (data.copy_span)
+    copy_warmup: int = 500  # copy-only steps before the mixed ones, spans growing 8, 16, ... (data.copy_warmup_batches)
     curve_points: int = 5  # 1x copy-accuracy checkpoints during training (the learning curve)
     factors: tuple[int, ...] = (1, 2, 4, 8)
     eval_windows: int = 16
@@ -84,8 +84,8 @@ class LabSettings:
             raise ValueError(f"lr must be a positive number, got {self.lr!r}")
         if not 0 <= self.copy_fraction <= 1:
             raise ValueError(f"copy_fraction must be in [0, 1], got {self.copy_fraction!r}")
-        if not 0 <= self.curriculum <= 1:
-            raise ValueError(f"curriculum must be in [0, 1], got {self.curriculum!r}")
+        if not isinstance(self.copy_warmup, int) or isinstance(self.copy_warmup, bool) or self.copy_warmup < 0:
+            raise ValueError(f"copy_warmup must be an integer >= 0, got {self.copy_warmup!r}")
         if not isinstance(self.curve_points, int) or isinstance(self.curve_points, bool) or self.curve_points < 0:
             raise ValueError(f"curve_points must be an integer >= 0, got {self.curve_points!r}")
         if not self.factors or any(not isinstance(f, int) or f < 1 for f in self.factors):
@@ -101,30 +101,41 @@ class LabSettings:
 
 
 #: ``ctxext lab --quick``: <= 5 minutes on 2 CPU cores.
-QUICK = LabSettings(train_len=64, batch=24, steps=200, warmup=20, eval_windows=16, copy_seqs=32)
+QUICK = LabSettings(train_len=64, batch=24, steps=200, warmup=20, eval_windows=16, copy_seqs=32, copy_warmup=150)
 #: ``ctxext lab``: <= 30 minutes on 2 CPU cores.
 FULL = LabSettings()
 
-#: Seconds one training step at the FULL settings takes on 2 CPU cores with one torch thread, measured: the mean of
-#: the six schemes' train_seconds / steps in benchmarks/results/lab/lab.json (2026-11-23, idle cores). Other settings
-#: are scaled by their multiply-adds per step (:func:`step_flops`): the quick settings measured 0.48x a full step
-#: (2026-11-24, rope and alibi, 20 steps each), the formula gives 0.48x. An estimate, not a promise: busy cores are
-#: slower (that measurement ran at about 1.8x these times).
-FULL_STEP_SECONDS = 0.48
+#: Seconds one training step at the FULL settings takes on 2 idle CPU cores, one torch thread per process, two
+#: processes at once (``--jobs 2``), measured: the six schemes' mean train_seconds (370 s) over training_flops(FULL)
+#: in full steps (735: 500 mixed steps and the warm-up's shorter rows) in benchmarks/results/lab/lab.json
+#: (2026-11-28; an earlier run of the same settings that day took 325 s). Other settings are scaled by their multiply-adds (:func:`training_flops`). An estimate, not a
+#: promise: busy cores are slower (about 1.8x in an earlier measurement).
+FULL_STEP_SECONDS = 0.503
 
 
-def step_flops(settings: LabSettings) -> float:
-    """Multiply-adds of one training step (forward and backward, about 3x the forward): per token, each layer's
-    projections, MLP and attention over the window, and the tied output head."""
+def step_flops(settings: LabSettings, length: int | None = None) -> float:
+    """Multiply-adds of one training step on rows of ``length`` (default the training length; forward and
+    backward, about 3x the forward): per token, each layer's projections, MLP and attention over the window, and
+    the tied output head."""
     cfg = settings.model_config()
-    d, t = settings.d_model, settings.train_len
+    d, t = settings.d_model, settings.train_len if length is None else length
     per_token = settings.n_layers * (4 * d * d + 2 * d * settings.d_ff + 2 * t * d) + d * cfg.vocab_size
     return 3.0 * per_token * t * settings.batch
 
 
-def estimated_train_seconds(settings: LabSettings, models: int = 1) -> float:
-    """Rough training time of ``models`` models at ``settings`` on 2 CPU cores (see FULL_STEP_SECONDS)."""
-    return models * settings.steps * FULL_STEP_SECONDS * step_flops(settings) / step_flops(FULL)
+def training_flops(settings: LabSettings) -> float:
+    """Multiply-adds of one model's training: the copy warm-up's short rows, then the mixed steps."""
+    spans = warmup_spans(settings.train_len)
+    warm = sum(step_flops(settings, 2 * spans[min(len(spans) - 1, i * len(spans) // settings.copy_warmup)] + 2)
+               for i in range(settings.copy_warmup))
+    return warm + settings.steps * step_flops(settings)
+
+
+def estimated_train_seconds(settings: LabSettings, models: int = 1, jobs: int = 1) -> float:
+    """Rough training time of ``models`` models at ``settings`` on 2 CPU cores, ``jobs`` at a time (see
+    FULL_STEP_SECONDS)."""
+    rounds = math.ceil(models / max(1, jobs))
+    return rounds * FULL_STEP_SECONDS * training_flops(settings) / step_flops(FULL)
 
 
 def about(seconds: float) -> str:
@@ -179,15 +190,14 @@ def train_scheme(scheme, settings: LabSettings, stream):
     curve, steps = [], settings.steps
     points = min(settings.curve_points, steps)
 
-    def checkpoint(m):
-        step = round(steps * (len(curve) + 1) / points)
+    def checkpoint(m, step):
         curve.append({"step": step, "copy_accuracy": copy_accuracy(m, settings.train_len, settings.copy_seqs,
                                                                    settings.seed + 100 + 1)})
 
     t = time.perf_counter()
     loss = train_model(model, stream, steps=steps, batch=settings.batch, length=settings.train_len,
                        lr=settings.lr, warmup=min(settings.warmup, steps), seed=settings.seed + 1,
-                       copy_fraction=settings.copy_fraction, curriculum=settings.curriculum,
+                       copy_fraction=settings.copy_fraction, copy_warmup=settings.copy_warmup,
                        checkpoint=checkpoint, checkpoints=points)
     return model, loss, time.perf_counter() - t, curve
 
@@ -197,35 +207,69 @@ def _log(msg, progress):
         print(msg, file=sys.stderr, flush=True)
 
 
-def run_lab(settings: LabSettings, schemes, out, *, overwrite=False, plot=True, progress=True) -> dict:
-    """Train and evaluate every scheme; write lab.json, lab.md (and lab.png) under ``out``; return the results."""
+def train_and_evaluate(scheme: str, settings: LabSettings, out: Path, threads: int | None = None,
+                       progress: bool = True) -> dict:
+    """Train one scheme, save its model under ``out``, evaluate it: its entry of lab.json's "results". A
+    function of its arguments alone (each scheme's batches come from the settings' seed), so that ``run_lab`` may
+    run several in worker processes and get the numbers a serial run gets."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    train, held = corpus()
+    model, loss, secs, curve = train_scheme(scheme, settings, train)
+    _log(f"lab: {scheme}: trained {settings.copy_warmup} copy warm-up + {settings.steps} steps, loss {loss:.3f} "
+         f"({secs:.0f}s)", progress)
+    save_model(model, model_path(out, scheme))
+    t = time.perf_counter()
+    ev = evaluate(model, held, train_len=settings.train_len, factors=settings.factors,
+                  windows=settings.eval_windows, copy_seqs=settings.copy_seqs, seed=settings.seed + 100)
+    _log(f"lab: {scheme}: evaluated ({time.perf_counter() - t:.0f}s; {time.perf_counter() - t0:.0f}s for this "
+         f"scheme)", progress)
+    return {"final_train_loss": loss, "train_seconds": secs, "eval_seconds": time.perf_counter() - t,
+            "parameters": sum(p.numel() for p in model.parameters()), "copy_curve": curve, "lengths": ev}
+
+
+def _train_all(schemes, settings: LabSettings, out: Path, jobs: int, progress: bool) -> dict:
+    """{scheme: results}, in ``schemes`` order; ``jobs`` > 1 trains that many schemes at once in spawned worker
+    processes (one torch thread each, as many threads as this process has otherwise)."""
+    if jobs <= 1 or len(schemes) <= 1:
+        return {s: train_and_evaluate(s, settings, out, progress=progress) for s in schemes}
+    import concurrent.futures
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # a forked torch may hang in its thread pools
+    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(schemes)), mp_context=ctx) as pool:
+        futures = {s: pool.submit(train_and_evaluate, s, settings, out, torch.get_num_threads(), progress)
+                   for s in schemes}
+        try:
+            return {s: futures[s].result() for s in schemes}
+        except BaseException:
+            for f in futures.values():
+                f.cancel()
+            raise
+
+
+def run_lab(settings: LabSettings, schemes, out, *, overwrite=False, plot=True, progress=True, jobs: int = 1) -> dict:
+    """Train and evaluate every scheme; write lab.json, lab.md (and lab.png) under ``out``; return the results.
+    ``jobs``: schemes trained at once, each in its own process (the numbers do not depend on it)."""
     settings.check()
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     schemes = parse_schemes(schemes if isinstance(schemes, str) else ",".join(schemes))
     out = Path(out)
     check_writable_folder(out, "--out")  # before training: the models and results must have somewhere to go
     check_lab_folder(out)
     check_not_finished(out, "lab.json", overwrite)
     t0 = time.perf_counter()
-    train, held = corpus()
-    _log(f"lab: corpus {len(train)} training / {len(held)} held-out tokens ({time.perf_counter() - t0:.0f}s)", progress)
+    train, _ = corpus()
+    _log(f"lab: corpus {len(train)} training tokens ({time.perf_counter() - t0:.0f}s); {len(schemes)} schemes, "
+         f"{min(jobs, len(schemes))} at a time, {about(estimated_train_seconds(settings, len(schemes), jobs))} of "
+         f"training on 2 idle CPU cores", progress)
     # the earlier run goes before the first new model lands: `lab shift` must never pair its settings with new
     # models, nor reuse a model of a scheme this run does not train; settings.json then marks the folder a lab run
     clear_lab_run(out, SCHEMES)
     write_json(out / "models" / "settings.json", {"settings": dataclasses.asdict(settings), "schemes": schemes})
-    results = {}
-    for scheme in schemes:
-        model, loss, secs, curve = train_scheme(scheme, settings, train)
-        _log(f"lab: {scheme}: trained {settings.steps} steps, loss {loss:.3f} ({secs:.0f}s; "
-             f"{time.perf_counter() - t0:.0f}s elapsed)", progress)
-        save_model(model, model_path(out, scheme))
-        t = time.perf_counter()
-        ev = evaluate(model, held, train_len=settings.train_len, factors=settings.factors,
-                      windows=settings.eval_windows, copy_seqs=settings.copy_seqs, seed=settings.seed + 100)
-        results[scheme] = {"final_train_loss": loss, "train_seconds": secs, "eval_seconds": time.perf_counter() - t,
-                           "parameters": sum(p.numel() for p in model.parameters()), "copy_curve": curve,
-                           "lengths": ev}
-        _log(f"lab: {scheme}: evaluated ({time.perf_counter() - t:.0f}s; {time.perf_counter() - t0:.0f}s elapsed)",
-             progress)
+    results = _train_all(schemes, settings, out, jobs, progress)
     doc = {
         "settings": dataclasses.asdict(settings),
         "schemes": schemes,

@@ -7,7 +7,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .data import IGNORE, copy_batch, eval_windows, training_batches
+import itertools
+
+from .data import IGNORE, copy_batch, copy_warmup_batches, eval_windows, training_batches
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
@@ -19,18 +21,28 @@ def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
 
 
 def train_model(model, stream, *, steps, batch, length, lr, warmup, seed, copy_fraction=0.5, weight_decay=0.01,
-                curriculum=0.0, checkpoint=None, checkpoints=0):
-    """Train ``model`` in place on the fixed batch sequence given by ``seed``; returns the last loss.
-    ``checkpoint(model)``, if given, is called (in eval mode) after each of ``checkpoints`` evenly spaced steps,
-    the last one included: a learning curve."""
+                copy_warmup=0, checkpoint=None, checkpoints=0):
+    """Train ``model`` in place: ``copy_warmup`` copy-only steps (``data.copy_warmup_batches``), then ``steps``
+    steps of the fixed mixed batch sequence given by ``seed``, each phase with its own learning-rate schedule
+    (``lr_at``: the mixed phase learns as a run without warm-up would, text included). Returns the
+    last loss. ``checkpoint(model, step)``, if given, is called (in eval mode) after each of ``checkpoints`` evenly
+    spaced mixed steps, the last one included, with the step counted from the start of the warm-up: a learning
+    curve."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay)
     model.train()
     loss = float("nan")
-    at = {round(steps * (i + 1) / checkpoints) for i in range(checkpoints)} if checkpoint and checkpoints else set()
-    batches = training_batches(stream, steps, batch, length, seed, copy_fraction, curriculum)
+    at = {copy_warmup + round(steps * (i + 1) / checkpoints) for i in range(checkpoints)} \
+        if checkpoint and checkpoints else set()
+    batches = itertools.chain(copy_warmup_batches(copy_warmup, batch, length, seed + 1),
+                              training_batches(stream, steps, batch, length, seed, copy_fraction))
     for step, (ids, tgt) in enumerate(batches):
+        # the warm-up has its own schedule; the mixed steps then get the schedule a run without warm-up has
+        if step < copy_warmup:
+            rate = lr_at(step, copy_warmup, lr, warmup)
+        else:
+            rate = lr_at(step - copy_warmup, steps, lr, warmup)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup)
+            g["lr"] = rate
         logits = model(ids)
         out = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), ignore_index=IGNORE)
         opt.zero_grad(set_to_none=True)
@@ -40,7 +52,7 @@ def train_model(model, stream, *, steps, batch, length, lr, warmup, seed, copy_f
         loss = float(out.detach())
         if step + 1 in at:
             model.eval()
-            checkpoint(model)
+            checkpoint(model, step + 1)
             model.train()
     model.eval()
     return loss
