@@ -108,8 +108,9 @@ FULL = LabSettings()
 #: Seconds one training step at the FULL settings takes on 2 idle CPU cores, one torch thread per process, two
 #: processes at once (``--jobs 2``), measured: the six schemes' mean train_seconds (370 s) over training_flops(FULL)
 #: in full steps (735: 500 mixed steps and the warm-up's shorter rows) in benchmarks/results/lab/lab.json
-#: (2026-11-28; an earlier run of the same settings that day took 325 s). Other settings are scaled by their multiply-adds (:func:`training_flops`). An estimate, not a
-#: promise: busy cores are slower (about 1.8x in an earlier measurement).
+#: (2026-11-28; an earlier run of the same settings that day took 325 s). Other settings are scaled by their
+#: multiply-adds (:func:`training_flops`). An estimate, not a promise: busy cores are slower (about 1.8x in an
+#: earlier measurement).
 FULL_STEP_SECONDS = 0.503
 
 
