@@ -343,7 +343,8 @@ def test_copy_warmup_comes_first_and_leaves_the_mixed_batches_unchanged(monkeypa
                           copy_warmup=2, checkpoint=lambda m, step: steps_at.append(step), checkpoints=3)
     warm = list(copy_warmup_batches(2, 4, 16, seed=6))
     mixed = list(training_batches(torch.arange(5000) % 4096, 3, 4, 16, 5, 0.5))
-    train_ids = [x for x in seen if x.shape[0] == 4][:5]  # the checkpoints' copy-accuracy calls come in between
+    assert len(seen) == 5  # 2 warm-up + 3 mixed steps, one forward each (this checkpoint runs no model)
+    train_ids = seen
     assert [tuple(x.shape) for x in train_ids[:2]] == [(4, 16), (4, 16)]  # span 7 = the full span at length 16
     assert torch.equal(train_ids[0], warm[0][0]) and torch.equal(train_ids[1], warm[1][0])
     assert all(torch.equal(x, y[0]) for x, y in zip(train_ids[2:], mixed))
