@@ -399,10 +399,39 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
         why = file_damage(path) if path.exists() else None
         if why is not None:
             raise ValueError(f"adapter {adapter_dir}: {path} is damaged ({why}); train it again or use an intact copy")
+    unsafe = _pickled_weights_refusal(adapter_dir) if Path(adapter_dir).is_dir() else None
+    if unsafe:  # before peft wraps the model: it would raise this as a traceback advising an unsafe load
+        raise ValueError(f"adapter {adapter_dir}: {unsafe}")
     from .compat.transformers import peft_wrap_quietly
 
     with peft_wrap_quietly():  # peft reads a property transformers deprecated
         return PeftModel.from_pretrained(prepare_for_adapter(model, adapter_dir), adapter_dir)
+
+
+def _pickled_weights_refusal(adapter_dir: str) -> str | None:
+    """Why peft cannot load the adapter's ``adapter_model.bin`` (read only without adapter_model.safetensors) with
+    torch's safe loader, or None. Unpickles it as peft does (weights_only=True: no code runs); a torch.save archive
+    memory-mapped, so that its tensor data is not read."""
+    import pickle
+    import zipfile
+
+    import torch
+
+    from .core.torch_files import UNREADABLE, unreadable_reason
+
+    folder = Path(adapter_dir)
+    path = folder / "adapter_model.bin"
+    if (folder / "adapter_model.safetensors").exists() or not path.is_file():
+        return None
+    try:
+        torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except UNREADABLE as exc:
+        reason = unreadable_reason(path, exc)
+        if isinstance(exc, pickle.UnpicklingError) and "GLOBAL" in reason:
+            return (f"{path.name} is a pickle that torch's safe loader refuses ({reason}); re-save the adapter as "
+                    "adapter_model.safetensors")
+        return f"{path.name} is {reason}" if reason.startswith("a ") else f"{path.name} cannot be read ({reason})"
+    return None
 
 
 #: Files from which transformers builds a tokenizer (one is enough)

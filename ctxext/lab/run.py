@@ -8,6 +8,7 @@ import io
 import math
 import os
 import platform
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -230,24 +231,63 @@ def train_and_evaluate(scheme: str, settings: LabSettings, out: Path, threads: i
             "parameters": sum(p.numel() for p in model.parameters()), "copy_curve": curve, "lengths": ev}
 
 
+class _WorkerStopped(SystemExit):
+    """SIGTERM or SIGINT in a lab worker: unwinds it (a half-written model file is removed), then ends the process.
+    A SystemExit, so that a worker waiting for work ends quietly too."""
+
+
+def _stop_on_signal(signum, frame):
+    raise _WorkerStopped(128 + signum)
+
+
+def _worker_signals() -> None:
+    """A worker's SIGTERM and SIGINT end it cleanly (Python's default SIGTERM would leave a temporary file)."""
+    signal.signal(signal.SIGTERM, _stop_on_signal)
+    signal.signal(signal.SIGINT, _stop_on_signal)
+
+
+def _train_in_worker(*args) -> dict:
+    try:
+        return train_and_evaluate(*args)
+    except _WorkerStopped as stop:
+        os._exit(stop.code)  # the pool's loop would catch it, report it and take the next scheme
+
+
+def _stop_workers(pool, grace: float = 5.0) -> None:
+    """Cancel the schemes not started and end the workers: SIGTERM (each unwinds), SIGKILL after ``grace`` s."""
+    workers = list((pool._processes or {}).values())  # private, but in every supported Python; gone after shutdown
+    pool.shutdown(wait=False, cancel_futures=True)
+    for w in workers:
+        w.terminate()
+    deadline = time.monotonic() + grace
+    for w in workers:
+        w.join(max(0.0, deadline - time.monotonic()))
+        if w.is_alive():
+            w.kill()
+            w.join(1.0)
+
+
 def _train_all(schemes, settings: LabSettings, out: Path, jobs: int, progress: bool) -> dict:
     """{scheme: results}, in ``schemes`` order; ``jobs`` > 1 trains that many schemes at once in spawned worker
-    processes (one torch thread each, as many threads as this process has otherwise)."""
+    processes (one torch thread each, as many threads as this process has otherwise). Ctrl-C, SIGTERM (handled as
+    Ctrl-C by the CLI) or a failed scheme ends the workers at once: nothing more is trained."""
     if jobs <= 1 or len(schemes) <= 1:
         return {s: train_and_evaluate(s, settings, out, progress=progress) for s in schemes}
     import concurrent.futures
     import multiprocessing
 
     ctx = multiprocessing.get_context("spawn")  # a forked torch may hang in its thread pools
-    with concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(schemes)), mp_context=ctx) as pool:
-        futures = {s: pool.submit(train_and_evaluate, s, settings, out, torch.get_num_threads(), progress)
+    pool = concurrent.futures.ProcessPoolExecutor(max_workers=min(jobs, len(schemes)), mp_context=ctx,
+                                                  initializer=_worker_signals)
+    try:
+        futures = {s: pool.submit(_train_in_worker, s, settings, out, torch.get_num_threads(), progress)
                    for s in schemes}
-        try:
-            return {s: futures[s].result() for s in schemes}
-        except BaseException:
-            for f in futures.values():
-                f.cancel()
-            raise
+        results = {s: futures[s].result() for s in schemes}
+    except BaseException:
+        _stop_workers(pool)  # leaving the pool's own shutdown would wait for the running schemes to finish
+        raise
+    pool.shutdown()
+    return results
 
 
 def run_lab(settings: LabSettings, schemes, out, *, overwrite=False, plot=True, progress=True, jobs: int = 1) -> dict:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import pickle
 import sys
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ..core.outputs import check_writable_folder, write_atomic
+from ..core.torch_files import UNREADABLE, unreadable_reason
 from .data import corpus, eval_windows
 from .io import check_lab_folder, check_not_finished, format_rows, write_json
 from .model import build_model
@@ -94,10 +94,19 @@ def _load_model(settings: LabSettings, out: Path, scheme: str):
     path, meta = model_path(out, scheme), Path(out) / "models" / "settings.json"
     model = build_model(settings.model_config(), scheme, seed=settings.seed)
     try:
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-    except (RuntimeError, OSError, EOFError, pickle.UnpicklingError) as exc:
-        lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
-        why = lines[1] if len(lines) > 1 else (lines[0] if lines else type(exc).__name__)  # the first mismatch
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except OSError as exc:
+        why = str(exc)
+    except UNREADABLE as exc:
+        why = unreadable_reason(path, exc)
+    else:
+        try:
+            model.load_state_dict(state)
+            why = None
+        except RuntimeError as exc:
+            lines = [x.strip() for x in str(exc).splitlines() if x.strip()]
+            why = lines[1] if len(lines) > 1 else (lines[0] if lines else type(exc).__name__)  # the first mismatch
+    if why is not None:
         raise ValueError(f"{path} does not match the settings in {meta} ({why}); rerun `ctxext lab --overwrite "
                          f"--out {out}`, or pass --steps N to train new models") from None
     return model.eval()
