@@ -45,8 +45,17 @@ def test_other_numbers_give_other_sentences():
 
 
 def test_no_sentence_without_a_baseline_at_the_trained_length():
+    # A model with rows but no verdict says why (issue 62, item 3: an empty list read as a silent failure)
     rows = _rows("llama", "yarn x8", [120, 115, 110, 125])
-    assert verdicts(rows, MODELS) == [] and format_verdicts(rows, MODELS) == ""
+    assert verdicts(rows, MODELS) == [
+        "llama: no verdict: no unpatched row at the trained length 256 (measure method none there)"]
+    assert "llama: no verdict" in format_verdicts(rows, MODELS)
+
+
+def test_no_verdict_without_a_length_past_the_trained_one():
+    rows = _rows("llama", "none", [100], lengths=(256,)) + _rows("llama", "yarn x8", [120], lengths=(256,))
+    assert verdicts(rows, MODELS) == ["llama: no verdict: no length past the trained 256"]
+    assert verdicts([], MODELS) == [] and format_verdicts([], MODELS) == ""  # no rows: nothing to say
 
 
 def test_passkey_is_added():

@@ -197,7 +197,19 @@ def verdicts(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]]) -
                 sentence = f"{model['label']}: {extra}"
         if sentence:
             out.append(sentence)
+        elif mine:
+            out.append(f"{model['label']}: no verdict: {_no_verdict_reason(mine, int(trained))}")
     return out
+
+
+def _no_verdict_reason(rows: list[dict[str, Any]], trained: int) -> str:
+    """Why a model's rows give no sentence: a verdict compares lengths past the trained one with the unpatched
+    model at the trained length."""
+    if not any(int(r["length"]) > trained for r in rows):
+        return f"no length past the trained {trained}"
+    if not any(r.get("label") == NONE and int(r["length"]) == trained for r in rows):
+        return f"no unpatched row at the trained length {trained} (measure method none there)"
+    return f"no row past the trained {trained} gives a number to compare"
 
 
 def format_verdicts(rows: Sequence[dict[str, Any]], models: Sequence[dict[str, Any]]) -> str:
