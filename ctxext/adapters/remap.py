@@ -253,6 +253,9 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
                 unit.inv_freq.zero_()  # identity rotation: the remap attention rotates q and k itself
             unit.attention_scaling = 1.0
         start = _rotary_start(model, 2 * states[id(attention[0])][0].numel())
+        # the caches this patch fills are marked with it: continued under another patch (or none) they are refused
+        note_cache = functools.partial(key_cache.note_cache, patch=_cache_patch(method, factor, pmap, length,
+                                                                                 temperature))
         for module in attention:
             kept = identity_map(method, pmap.options) if kept_as_trained(model, module, target) else pmap
             inv_freq, scaling = states[id(module)]
@@ -266,9 +269,20 @@ def apply_remap(model: nn.Module, method: str, factor: float | None, options: di
             setattr(module, STATE_ATTR, state)
             undo.append(functools.partial(_drop_state, module))
             # sees the KV cache before the module appends to it: whether kept rotated keys may be extended
-            undo.append(module.register_forward_pre_hook(key_cache.note_cache, with_kwargs=True).remove)
+            undo.append(module.register_forward_pre_hook(note_cache, with_kwargs=True).remove)
         undo.append(use_attention(model, REMAP))
     return functools.partial(run_all, undo)
+
+
+def _cache_patch(method: str, factor, pmap: PositionMap, length: int, temperature) -> key_cache.CachePatch:
+    """What decides the keys this patch caches (the map's method and options, the factor, the trained length, a
+    temperature), and its name for messages, e.g. "self-extend x4 (group=4, window=16)"."""
+    options = tuple(sorted(pmap.options.items()))
+    shown = ", ".join(f"{k}={v}" for k, v in options)
+    label = f"{method} x{factor:g} ({shown})" if isinstance(factor, (int, float)) else f"{method} ({shown})"
+    if temperature is not None:
+        label += f" with temperature {temperature.form}"
+    return key_cache.CachePatch((method, factor, options, length, temperature), label)
 
 
 def rotating_layers(model: nn.Module, modules: list[nn.Module]) -> set[int]:
@@ -280,26 +294,31 @@ def rotating_layers(model: nn.Module, modules: list[nn.Module]) -> set[int]:
     unchanged by the shift (it sees relative positions), so the hidden states entering every layer are the same
     up to rounding; the keys a layer hands to attention then differ only where the layer rotated them. A model
     whose weights are not loaded (meta) cannot be probed: every layer counts as rotating there."""
+    from ..core.active import PATCH_LOCK
+
     if not modules or any(p.is_meta for p in model.parameters()):
         return {id(m) for m in modules}
     device = next(model.parameters()).device
     vocab = int(getattr(model.config, "vocab_size", 0) or 0) or 2
     ids = (torch.arange(6, device=device) * 7 + 3).remainder(vocab)[None]
     positions = torch.arange(6, device=device)[None]
-    restore, was_training = use_attention(model, PROBE), model.training
-    model.eval()
-    try:
-        with torch.no_grad(), original_rotation(model):  # as the model rotates unpatched (a replace probes a patched one)
-            for shift in (0, 37):
-                model(input_ids=ids, position_ids=positions + shift, use_cache=False)
-        keys = {id(m): vars(m).pop(PROBE_ATTR, []) for m in modules}
-    except Exception:  # noqa: BLE001 - a forward this probe cannot make: every layer rotates, as before the probe
-        return {id(m) for m in modules}
-    finally:
-        for m in modules:
-            vars(m).pop(PROBE_ATTR, None)
-        model.train(was_training)
-        restore()
+    # the probe switches the model's attention for a moment: a patch in another thread must not start or end inside it
+    with PATCH_LOCK:
+        restore, was_training = use_attention(model, PROBE), model.training
+        model.eval()
+        try:
+            # as the model rotates unpatched (a replace probes a patched one)
+            with torch.no_grad(), original_rotation(model):
+                for shift in (0, 37):
+                    model(input_ids=ids, position_ids=positions + shift, use_cache=False)
+            keys = {id(m): vars(m).pop(PROBE_ATTR, []) for m in modules}
+        except Exception:  # noqa: BLE001 - a forward this probe cannot make: every layer rotates, as before the probe
+            return {id(m) for m in modules}
+        finally:
+            for m in modules:
+                vars(m).pop(PROBE_ATTR, None)
+            model.train(was_training)
+            restore()
     rotating = set()
     for ident, calls in keys.items():
         half = len(calls) // 2  # the calls of the first pass, then those of the second

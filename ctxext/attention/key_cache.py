@@ -10,11 +10,21 @@ grows (capacity grows by a quarter, so copies are amortised).
 When a copy is trusted. A forward pre-hook on the attention module (``note_cache``, installed by the remap patch)
 looks at the cache layer before the module appends its new keys: the copies are reused only if that layer still
 holds the very tensor object the last call received (``is`` plus its in-place version counter), the call appends
-exactly ``q_len`` keys to it, the last old key is unchanged and the rows' positions are the same. A new cache, a
-reset, a crop, a beam-search reorder, a static or sliding cache, a call without a cache: any of them rebuilds or
-bypasses the copies. The copies are dropped when the cached tensor they belong to dies (the user dropped the cache),
+exactly ``q_len`` keys to it, the last old key is unchanged and the rows' positions are the same (a static cache's
+buffer is that tensor, its filled part the keys: it keeps its copies). A new cache, a reset, a crop, a beam-search
+reorder, a sliding-window layer (its window moves), a call without a cache: any of them rebuilds or bypasses the
+copies. The copies are dropped when the cached tensor they belong to dies (the user dropped the cache),
 on unpatch, and never kept for a full pass without a past (a plain forward holds nothing), with autograd, or with a
 hook that did not run.
+
+Which patch filled a cache. A remap patch's cache holds un-rotated keys, any other model's rotated ones, so a cache
+continued across a patch boundary (generated inside ``ctxext.patched`` and continued after it, the reverse, an unpatch
+from a logits processor in the middle of ``generate``, another remap method or factor) would decode wrong logits. The
+pre-hook marks the cache object with the live patch (``CachePatch``) and refuses a cache that holds keys written under
+another (or under none); it also wraps that cache's ``update`` (on the instance, so nothing stays on the model after
+unpatch), which refuses an update no live patch announced while the cache holds keys of its patch. A cache emptied by
+``reset`` (where the release empties it: transformers 4.x zeroes a dynamic cache's keys and keeps them) is free
+again. Per step: a dict read and write in the hook and one wrapper call per layer.
 
 Memory while decoding: per layer, B x kv_heads x (about 1.25 T) x head_dim elements of the key dtype per kept
 rotation: self-extend, DCA and STRING keep two (about the size of the whole KV cache again), ReRoPE, LM-Infinite and
@@ -23,11 +33,13 @@ StreamingLLM one (half of it).
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 
 import torch
 
+from ..core.errors import PatchError
 from ..methods.position_map import _zero
 from .lse import _merge
 from .lse import accepts as lse_accepts
@@ -73,12 +85,99 @@ def drop(module) -> None:
     module.__dict__.pop(ATTR, None)
 
 
-def note_cache(module, args, kwargs):
-    """Forward pre-hook: whether the next call may extend the kept copies (see the module docstring)."""
+class CachePatch:
+    """The remap patch a cache's keys were written under: ``key`` (what decides the cached keys: method, factor,
+    options, trained length, temperature) and ``label`` (for messages). Shared, not copied, with a deep copy."""
+
+    __slots__ = ("key", "label")
+
+    def __init__(self, key, label: str):
+        self.key, self.label = key, label
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+#: attributes on a cache object: the ``CachePatch`` its keys were written under, and whether the next ``update`` was
+#: announced by a live patch's pre-hook
+FILLED_UNDER = "_ctxext_filled_under"
+ANNOUNCED = "_ctxext_update_announced"
+START_OVER = ("start a new cache (past_key_values=None, or a new DynamicCache / StaticCache), or continue it under the "
+              "patch it was filled under")
+
+
+def check_cache(cache, index, patch: CachePatch) -> None:
+    """Refuse ``cache`` if it holds keys written under another patch than ``patch`` (or under none); else mark it as
+    ``patch``'s and announce the update the module is about to make. Free when the cache is already ``patch``'s."""
+    state = getattr(cache, "__dict__", None)
+    if state is None:  # not a transformers Cache object: nothing to mark
+        return
+    under = state.get(FILLED_UNDER)
+    if under is not patch and (under is None or under.key != patch.key):
+        if _holds_keys(cache, index):
+            was = ("without a position-remapping patch (its cached keys are rotated: the plain model, or a frequency "
+                   "patch such as yarn)" if under is None else f"under {under.label} (other cached keys)")
+            raise PatchError(f"this KV cache was filled {was}; the model now runs {patch.label}, which caches "
+                             f"un-rotated keys, so continuing it would give wrong logits: {START_OVER}")
+        state[FILLED_UNDER] = patch
+        _guard_updates(cache)
+    state[ANNOUNCED] = True
+
+
+def _holds_keys(cache, index) -> bool:
+    try:
+        return int(cache.get_seq_length(index if isinstance(index, int) else 0)) > 0
+    except (TypeError, ValueError, IndexError, AttributeError):
+        return False
+
+
+def _guard_updates(cache) -> None:
+    if not isinstance(cache.__dict__.get("update"), _GuardedUpdate):
+        cache.update = _GuardedUpdate(cache, cache.__dict__.get("update"))
+
+
+class _GuardedUpdate:
+    """``Cache.update`` of a cache a remap patch filled: refused for a model without that live patch (no pre-hook
+    announced the update) while the cache holds the patch's keys; an emptied cache is the new model's. Set on the
+    cache instance; a deep copy or pickle of the cache carries it, bound to the copy."""
+
+    __slots__ = ("cache", "inner")
+
+    def __init__(self, cache, inner=None):
+        self.cache, self.inner = cache, inner  # inner: an update already set on the instance, else the class's
+
+    def __deepcopy__(self, memo):
+        return _GuardedUpdate(copy.deepcopy(self.cache, memo), copy.deepcopy(self.inner, memo))
+
+    def __reduce__(self):
+        return _GuardedUpdate, (self.cache, self.inner)
+
+    def __call__(self, key_states, value_states, layer_idx=0, *args, **kwargs):
+        cache = self.cache
+        state = cache.__dict__
+        if not state.pop(ANNOUNCED, False):
+            under = state.get(FILLED_UNDER)
+            if under is not None:
+                if _holds_keys(cache, layer_idx):
+                    raise PatchError(f"this KV cache was filled under the position-remapping patch {under.label}, "
+                                     "whose cached keys are un-rotated; the model updating it no longer runs that "
+                                     "patch (it was unpatched, or patched with another method), so continuing it "
+                                     f"would give wrong logits: {START_OVER}")
+                del state[FILLED_UNDER]
+        if self.inner is not None:
+            return self.inner(key_states, value_states, layer_idx, *args, **kwargs)
+        return type(cache).update(cache, key_states, value_states, layer_idx, *args, **kwargs)
+
+
+def note_cache(module, args, kwargs, patch: CachePatch | None = None):
+    """Forward pre-hook: refuse a cache filled under another patch (``check_cache``, where the patch passes its
+    ``CachePatch``); whether the next call may extend the kept copies (see the module docstring)."""
     cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))  # the 4.x name too
     if cache is None:  # a plain forward keeps nothing, and leaves nothing on the module
         drop(module)
         return None
+    if patch is not None:
+        check_cache(cache, getattr(module, "layer_idx", None), patch)
     keep = entry(module)
     keep.expecting = False
     keep.mode = "fresh"
@@ -93,9 +192,11 @@ def note_cache(module, args, kwargs):
     return None
 
 
-def rotated_keys(module, state, key, kpos, q_len: int, count: int, rotate) -> list:
+def rotated_keys(module, state, key, kpos, q_len: int, count: int, rotate, source=None) -> list:
     """``key`` rotated by the key positions of each of the map's first ``count`` rotations, as ``rotate`` would,
-    rotating only the new keys where the kept copies are trusted."""
+    rotating only the new keys where the kept copies are trusted. ``source``: the tensor the cache holds, where
+    ``key`` is its filled part (a static cache's buffer; default ``key``)."""
+    source = key if source is None else source
     rotations = state.map.rotations[:count]
     inv_freq = state.frequencies(key.device)
     args = (inv_freq, state.attention_scaling, state.layout, state.start)
@@ -137,7 +238,7 @@ def rotated_keys(module, state, key, kpos, q_len: int, count: int, rotate) -> li
         for fn in set(keep.buffers) - _fns(rotations, args):  # not extended by this call: stale from now on
             del keep.buffers[fn]
     keep.length, keep.first, keep.last = kv_len, kpos[:, 0].clone(), key[:, :, kv_len - 1].clone()
-    keep.source, keep.version = weakref.ref(key, keep._died), key._version
+    keep.source, keep.version = weakref.ref(source, keep._died), source._version
     return out
 
 
@@ -240,8 +341,8 @@ def _fused(queries, keys, value, picks, scaling):
     return o.to(value.dtype).transpose(1, 2).contiguous(), None
 
 
-__all__ = ["ATTR", "DECODE_ROWS", "KEEP", "RotatedKeys", "decode_attention", "drop", "note_cache", "rotated_keys",
-           "use_decode"]
+__all__ = ["ATTR", "DECODE_ROWS", "KEEP", "CachePatch", "RotatedKeys", "check_cache", "decode_attention", "drop",
+           "note_cache", "rotated_keys", "use_decode"]
 
 
 def kept_bytes(model) -> int:

@@ -14,12 +14,15 @@ rotary only the first ``2 * len(inv_freq)`` dims of each head are rotated, as GP
 exact softmax over the merged scores.
 
 Positions. Queries take ``position_ids`` from the attention kwargs (transformers passes them). Keys are the cache
-slots: the queries are the last ``q_len`` of the ``kv_len`` keys (a full pass, or a dynamic cache), except that
-without a mask and with several queries they are the first ones (transformers drops the mask for a full pass and for
-the prefill of an empty static cache). A key's position is its slot minus the row's offset (slot - position) of its
-latest real query, one that attends to itself; so left padding (masked keys at negative positions) and cached decoding
-see the positions of a full pass over the unpadded row, as long as positions are consecutive within a row (as
-``generate`` and ``cumsum(mask) - 1`` make them). Without ``position_ids`` the slots are the positions.
+slots: the queries are the last ``q_len`` of the ``kv_len`` keys (a full pass, or a dynamic cache). A preallocated
+cache (``StaticCache``; a static sliding layer before it fills) puts the new tokens at its fill length and leaves
+the slots after them unfilled: those are dropped first (``_keys_in_use``, read from the mask; without a mask and
+with several queries the queries are the first slots: transformers drops the mask only for the prefill of an empty
+static cache), so the queries are again the last ones. A key's position is its slot minus the row's offset (slot -
+position) of its latest real query, one that attends to itself; so left padding (masked keys at negative positions)
+and cached decoding see the positions of a full pass over the unpadded row, as long as positions are consecutive
+within a row (as ``generate`` and ``cumsum(mask) - 1`` make them). Without ``position_ids`` the slots are the
+positions.
 
 Memory. The function never builds a (heads x T x T) tensor for large T. When every pair of the call is within the
 map's ``near`` range (e.g. all within the window), or every query is before the map's ``plain_below`` (DCA's first
@@ -160,6 +163,26 @@ def _positions(query, attention_mask, q_len, kv_len, kwargs):
     return slots, qpos, kpos, last
 
 
+def _keys_in_use(attention_mask, q_len: int, kv_len: int) -> int:
+    """How many key slots reach up to the last query's slot: ``kv_len``, except in a preallocated cache (transformers'
+    ``StaticCache``, its static sliding layers before they fill), where the new tokens sit at the cache's fill length
+    and the slots after them are unfilled. Read from the mask, which transformers builds from the cache's own offsets:
+    a query attends to its own slot and to none after it, so the queries start at max over rows of (last attended
+    slot - row). Without a mask, several queries in a longer cache are an empty static cache's prefill (transformers
+    drops the mask only there): the first slots; one query is a dynamic cache's step: the last slot."""
+    if q_len >= kv_len:
+        return kv_len
+    if attention_mask is None:
+        return q_len if q_len > 1 else kv_len
+    mask = _as_bool(attention_mask)[:, 0]
+    if bool(mask[:, -1, -1].any()):  # the last query sees the last slot: a dynamic cache (one read per row)
+        return kv_len
+    columns = torch.arange(kv_len, device=mask.device)
+    last_seen = torch.where(mask, columns, -1).amax(-1)  # (B or 1, q_len); -1 for a row that sees nothing
+    start = int((last_seen - torch.arange(q_len, device=mask.device)).amax())
+    return min(max(start, 0) + q_len, kv_len)
+
+
 def _as_bool(mask: torch.Tensor) -> torch.Tensor:
     if mask.dtype == torch.bool:
         return mask
@@ -211,6 +234,11 @@ def remap_attention_forward(
         if attention_mask.dim() != 4:
             raise ValueError(f"{REMAP} expects a 4D attention mask, got shape {tuple(attention_mask.shape)}")
         attention_mask = attention_mask[..., :kv_len]  # as transformers' sdpa: a mask may carry extra columns
+    cached = key  # the cache's own tensor (a static cache's whole buffer): what the kept rotated keys follow
+    filled = _keys_in_use(attention_mask, q_len, kv_len)
+    if filled < kv_len:  # a preallocated cache: the slots after the last query are causally unseen (unfilled)
+        key, value, kv_len = key[:, :, :filled], value[:, :, :filled], filled
+        attention_mask = None if attention_mask is None else attention_mask[..., :filled]
     pmap = state.map
     inv_freq = state.frequencies(query.device)
     att = state.attention_scaling
@@ -231,7 +259,7 @@ def remap_attention_forward(
         return hf_compat.sdpa_attention()(
             module,
             rotate(query, qpos, inv_freq, att, state.layout, state.start),
-            key_cache.rotated_keys(module, state, key, kpos, q_len, 1, rotate)[0],
+            key_cache.rotated_keys(module, state, key, kpos, q_len, 1, rotate, cached)[0],
             value,
             attention_mask,
             dropout=dropout,
@@ -241,7 +269,7 @@ def remap_attention_forward(
         )
 
     rotations = pmap.rotations
-    keys = key_cache.rotated_keys(module, state, key, kpos, q_len, len(rotations), rotate)  # new keys only, cached
+    keys = key_cache.rotated_keys(module, state, key, kpos, q_len, len(rotations), rotate, cached)  # new keys only
     queries = [rotate(query, r.query(qpos), inv_freq, att, state.layout, state.start) for r in rotations]
     mask = None if attention_mask is None else _as_bool(attention_mask)[:, 0]  # (B or 1, q_len, kv_len)
     planned = None if eager_only else remap_plan(pmap, queries, keys, value, qpos, kpos, slots, attention_mask,
