@@ -9,6 +9,7 @@ import copy
 from torch import nn
 
 from ..compat import transformers as hf_compat
+from ..core.active import unwrapped
 from ..core.errors import PatchError
 from .alibi import ALIBI, ALIBI_MARK, alibi_attention_forward
 from .features import _configs, attention_features
@@ -41,9 +42,11 @@ MISSING_HOOK = _register()
 
 
 def can_use_attention(model: nn.Module) -> str | None:
-    """None if ``model`` dispatches its attention through ``AttentionInterface``; otherwise why not."""
+    """None if ``model`` (or the transformers model inside its peft wrapper) dispatches its attention through
+    ``AttentionInterface``; otherwise why not."""
     if MISSING_HOOK:
         return MISSING_HOOK
+    model = unwrapped(model)  # a PeftModel runs its base model's attention, switched there
     can_set = hf_compat.can_set_attn_implementation(model)
     if can_set is None:
         return f"{type(model).__name__} is not a transformers model with a settable attention implementation"
@@ -63,6 +66,7 @@ def can_use_attention(model: nn.Module) -> str | None:
 
 def require_attention(model: nn.Module) -> None:
     """Raise PatchError unless ``model`` can take the ALiBi attention (the adapters' check for ``alibi``)."""
+    model = unwrapped(model)
     reason = can_use_attention(model) or attention_features(model)
     if reason:
         raise PatchError(f"cannot swap in ALiBi: {reason}")
@@ -71,7 +75,10 @@ def require_attention(model: nn.Module) -> None:
 def use_attention(model: nn.Module, name: str = ALIBI):
     """Switch ``model`` to the registered attention ``name``; returns a function restoring the previous one exactly.
     The ALiBi swap is checked here; other functions (the remap attention, its probe) honour other features, which
-    their adapter checks (``ctxext.adapters.remap``), so only the dispatch is checked for them."""
+    their adapter checks (``ctxext.adapters.remap``), so only the dispatch is checked for them. A peft wrapper is
+    switched through the transformers model inside it (``ctxext.core.active.unwrapped``), whose modules the wrapper
+    runs: a probe or a check on a ``PeftModel`` acts on that model."""
+    model = unwrapped(model)
     if name == ALIBI:
         require_attention(model)
     else:

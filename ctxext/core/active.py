@@ -92,13 +92,20 @@ def foreign_owner(model: nn.Module) -> str | None:
     return None
 
 
-def base_model(model: Any, caller: str = "ctxext") -> nn.Module:
-    """The transformers model inside a peft wrapper, or the model itself; PatchError for anything that is not a
-    transformers model (an ``nn.Module`` whose ``.config`` is a transformers ``PretrainedConfig``)."""
+def unwrapped(model: Any) -> Any:
+    """The model inside a peft wrapper (``PeftModel.get_base_model()``: its adapter layers sit in that model's
+    modules), or ``model`` itself; checks nothing."""
     if isinstance(model, nn.Module):
         get_base = getattr(model, "get_base_model", None)
         if callable(get_base):
-            model = get_base()
+            return get_base()
+    return model
+
+
+def base_model(model: Any, caller: str = "ctxext") -> nn.Module:
+    """The transformers model inside a peft wrapper, or the model itself; PatchError for anything that is not a
+    transformers model (an ``nn.Module`` whose ``.config`` is a transformers ``PretrainedConfig``)."""
+    model = unwrapped(model)
     require_transformers_model(model, caller)
     return model
 

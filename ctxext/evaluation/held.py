@@ -4,14 +4,20 @@ Each method is applied to that object and removed again (``unpatch`` restores it
 training flag is restored too. :func:`held_model_job` hands the runner a job whose ``release`` does this, and the
 runner calls it also when a method fails or the user interrupts the run. A model that comes patched is evaluated
 as it is: :func:`check_held_model` refuses other methods, and a key-token evaluator that would take its patch off.
+One call at a time holds an object (:func:`held_alone`); a resume compares every value of its weights and buffers
+(:func:`weights_digest`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
+
+import torch
 
 from ..core.errors import PatchError
 from .data import Texts
@@ -43,14 +49,90 @@ def _label(model) -> str:
     return path.name if path.exists() else name
 
 
-def weights_sample(model) -> str:
-    """A sha256 over each weight's name, shape and first 64 values: what a resume compares for a model object (a
-    folder's files are not there to compare; hashing every weight would cost more than most rows)."""
-    digest = hashlib.sha256()
-    for name, param in model.named_parameters():
-        digest.update(f"{name}{tuple(param.shape)}{param.dtype}".encode())
-        digest.update(param.detach().reshape(-1)[:64].float().cpu().numpy().tobytes())
+#: Bytes of a tensor hashed at a time (one piece copied off a GPU at a time).
+_HASH_PIECE = 1 << 26
+
+#: Rope types whose rotary module rewrites its ``inv_freq`` from the sequence length in every forward (transformers'
+#: ``dynamic_rope_update``): that buffer is the last forward's state, not the model.
+_LENGTH_FOLLOWING_ROPE = ("dynamic", "longrope")
+
+
+def _state_of_last_forward(module, name: str) -> bool:
+    """Whether buffer ``name`` of ``module`` holds rotary frequencies its forward sets from the sequence length
+    (a dynamic or longrope rope type, or ctxext's dynamic-NTK hook): what it is computed from is hashed instead
+    (``original_inv_freq``, the config, the patch)."""
+    if not name.endswith("inv_freq") or name.endswith("original_inv_freq"):
+        return False
+    kinds = getattr(module, "rope_type", None)
+    kinds = list(kinds.values()) if isinstance(kinds, dict) else [kinds]
+    return "_ctxext_dynamic" in vars(module) or any(k in _LENGTH_FOLLOWING_ROPE for k in kinds if isinstance(k, str))
+
+
+def _hash_values(digest, tensor) -> None:
+    """Every value of ``tensor``, as its bytes (bfloat16 and float8 have no numpy type: their bit patterns)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.is_meta:  # no values to read: a meta model is refused where its weights are first needed
+        digest.update(b"meta")
+        return
+    try:
+        raw = flat.contiguous().view(torch.uint8)
+    except (RuntimeError, TypeError):  # a tensor subclass without a byte view: its values as float64
+        raw = flat.double().contiguous().view(torch.uint8)
+    for start in range(0, raw.numel(), _HASH_PIECE):
+        digest.update(raw[start:start + _HASH_PIECE].cpu().numpy())
+
+
+def weights_digest(model) -> str:
+    """A sha256 over every value of every parameter and buffer (with its name, shape and dtype) and the ctxext
+    patch: what a resume compares for a model object (a folder's files are not there to compare). About a second per
+    2 GB of weights, small beside an evaluation. Buffers count (rotary frequencies a patch or a hand edit changed),
+    except the frequencies a dynamic rope type resets in every forward (see ``_state_of_last_forward``); a patch the
+    evaluation applies and removes leaves the digest as it was (``unpatch`` restores bit-exactly)."""
+    from ..api import describe
+
+    digest = hashlib.sha256(json.dumps(describe(model), sort_keys=True, default=str).encode())
+    seen: set[int] = set()  # a tied weight once, under its first name
+    for prefix, module in model.named_modules():
+        tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for name, tensor in tensors:
+            if id(tensor) in seen or _state_of_last_forward(module, name):
+                continue
+            seen.add(id(tensor))
+            digest.update(f"{prefix}.{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+            _hash_values(digest, tensor)
     return digest.hexdigest()
+
+
+#: The modules of every model object an ``evaluate`` call holds now: id -> (the module, the call's thread).
+_HELD: dict[int, tuple[Any, str]] = {}
+_HELD_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def held_alone(model) -> Iterator[None]:
+    """Hold ``model`` (a model object, or None: nothing to hold) for one ``evaluate`` call, from its first check to
+    its last row. The call patches, probes and unpatches the object in place, so a second call on it (from another
+    thread, or a model that shares a module with it: a ``PeftModel`` and its base model) would start from the
+    first's patch and put the wrong state back; it is refused, naming the thread that holds the model."""
+    if model is None:
+        yield
+        return
+    modules = list(model.modules())
+    with _HELD_LOCK:
+        for module in modules:
+            held = _HELD.get(id(module))
+            if held is not None and held[0] is module:
+                raise ValueError(f"model: this model object is being evaluated by another ctxext.evaluate call "
+                                 f"(thread {held[1]!r}), which patches it in place; evaluate it after that call "
+                                 "returns, or pass a copy (copy.deepcopy(model))")
+        thread = threading.current_thread().name
+        _HELD.update({id(module): (module, thread) for module in modules})
+    try:
+        yield
+    finally:
+        with _HELD_LOCK:
+            for module in modules:
+                _HELD.pop(id(module), None)
 
 
 def _tokenizer_digest(tokenizer) -> str:
@@ -101,7 +183,7 @@ def held_model_job(model, tokenizer, texts: Texts, *, factor: float | None) -> M
         finally:
             m.train(was_training)
 
-    info = {"model": _name(model), "object": type(model).__name__, "weights_sample": weights_sample(model),
+    info = {"model": _name(model), "object": type(model).__name__, "weights_sha256": weights_digest(model),
             "tokenizer_sample": _tokenizer_digest(tokenizer)}
     return ModelJob(label=_label(model), load_tokenizer=lambda: tokenizer, load_model=load,
                     load_skeleton=lambda: model, texts=texts, factor=factor, info=info, release=release)
