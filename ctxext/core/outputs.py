@@ -61,18 +61,20 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def check_regular_file(path: str | os.PathLike, flag: str) -> None:
-    """Raise ValueError if ``path`` exists (following links) and is not a regular file. Touches nothing."""
+def check_regular_file(path: str | os.PathLike, flag: str, *, subject: str | None = None) -> None:
+    """Raise ValueError if ``path`` exists (following links) and is not a regular file. Touches nothing.
+    ``subject``: how the messages name ``path`` (default ``"FLAG PATH"``; ``output='r.json'`` from Python)."""
+    subject = subject or f"{flag} {path}"
     try:
         mode = os.stat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):  # a missing path (or one under a file: reported elsewhere)
         if os.path.islink(path):
-            raise ValueError(f"{flag} {path} is a link to nothing; give a file name ctxext can create") from None
+            raise ValueError(f"{subject} is a link to nothing; give a file name ctxext can create") from None
         return
     except OSError as exc:
-        raise ValueError(f"{flag} {path}: {exc.strerror or exc}") from None
+        raise ValueError(f"{subject}: {exc.strerror or exc}") from None
     if not stat.S_ISREG(mode):
-        raise ValueError(f"{flag} {path} is {_kind(mode)}; ctxext writes only regular files: give a file name")
+        raise ValueError(f"{subject} is {_kind(mode)}; ctxext writes only regular files: give a file name")
 
 
 def _protected(folder: Path, inputs: tuple[Path, ...]) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .request import EvalRequest
+from .request import PYTHON, EvalRequest
 from .result_set import EvalResults
 
 
@@ -37,7 +37,11 @@ def evaluate(model: Any = None, tokenizer: Any = None, **settings: Any) -> EvalR
     if unknown:
         known = ", ".join(n for n in EvalRequest.names() if n not in ("model", "tokenizer", "command"))
         raise TypeError(f"evaluate() got unknown argument(s) {', '.join(unknown)}; known: {known}")
-    return run_request(EvalRequest(model=model, tokenizer=tokenizer, command="evaluate", **settings))
+    from .held import held_alone
+
+    request = EvalRequest(model=model, tokenizer=tokenizer, command=PYTHON, **settings)
+    with held_alone(request.model if request.holds_model else None):  # one call at a time patches a model object
+        return run_request(request)
 
 
 def run_request(request: EvalRequest, *, on_finished: Callable[[EvalResults], None] | None = None,

@@ -22,7 +22,7 @@ from .models import load_model, load_tokenizer
 from .passkey import DEFAULT_DEPTHS
 from .preflight import check_evaluator_tokenizer, check_fit, check_key_tokens
 from .request import EvalRequest, parse_measures
-from .requests import NONE, MethodChoice
+from .requests import FLAGS, NONE, MethodChoice, Spelling
 from .results import check_file_target, check_output, jsonl_path, recorded_pictures
 from .runner import PASSKEY_ASKED, PASSKEY_NOT, ModelJob, Settings, default_lengths
 from ..export import ADAPTER_RECORD
@@ -99,19 +99,11 @@ def plan_eval(request: EvalRequest) -> EvalPlan:
         model_id = _reference_source("model", model_id)
     if reference_name(evaluator) is not None:
         evaluator = _reference_source("evaluator", evaluator)
-    demo = r.demo
-    if demo and (r.gguf_file or r.adapter or r.evaluator):
-        raise ValueError("--gguf-file, --adapter and --evaluator need --model")
+    demo = r.demo  # the request refused a gguf_file, adapter or evaluator without a model
     # the demo measures perplexity and, on the reference trained to retrieve, passkey (issue 24): the verdict then
     # says which method still finds the key at 4x, not only which holds perplexity
     demo_passkey = demo and r.tasks is None and not r.passkey
-    measures = parse_measures(r.tasks, passkey=r.passkey or demo_passkey)
-    if r.key_tokens and PPL not in measures:
-        raise ValueError("--key-tokens is a perplexity: add ppl to --tasks")
-    if not r.key_tokens and (r.evaluator or r.key_context or r.key_short):
-        raise ValueError("--evaluator, --key-context and --key-short need --key-tokens")
-    if r.key_context and r.key_short and r.key_short >= r.key_context:
-        raise ValueError(f"--key-short {r.key_short} must be shorter than --key-context {r.key_context}")
+    measures = parse_measures(r.tasks, passkey=r.passkey or demo_passkey)  # key-token settings: checked by the request
     device = held_device(r.model) if r.holds_model else resolve_device(r.device)
     dtype = held_dtype(r.model) if r.holds_model else (r.dtype or "float32")
     resolve_dtype(dtype if not r.holds_model else None)
@@ -204,12 +196,15 @@ def _check_outputs(r: EvalRequest, *, demo: bool, measures: list[str], tasks: li
             raise ValueError("plot and heatmap are drawn beside the results: give output= too, or draw them from "
                              "the returned results (results.plot(path))")
         return None, None, None, []
+    s = r.spelling  # flags from the command, keywords from ctxext.evaluate
+    given = s.given("output", output)
     if r.data and _resolved(r.data) in (_resolved(output), _resolved(jsonl_path(output))):
-        raise ValueError(f"--output {output} would overwrite the data {r.data}; choose another --output")
+        raise ValueError(f"{given} would overwrite the data {r.data}; choose another {s.name('output')}")
     if r.data and Path(r.data).is_dir() and _resolved(r.data) in _resolved(output).parents:
-        raise ValueError(f"--output {output} is inside the --data folder {r.data}: its rows file would be read "
-                         "as data by the next run (--resume, --overwrite); choose an --output outside it")
-    check_output(output, resume=r.resume, overwrite=r.overwrite)
+        raise ValueError(f"{given} is inside the {s.name('data')} folder {r.data}: its rows file would be read "
+                         f"as data by the next run ({s.on('resume')}, {s.on('overwrite')}); choose an "
+                         f"{s.name('output')} outside it")
+    check_output(output, resume=r.resume, overwrite=r.overwrite, spelling=s)
     # the demo's picture goes beside its results (results/demo.png by default), not into one shared place
     plot = r.plot or (str(Path(output).with_suffix(".png")) if demo else None)
     # a picture is replaced with --overwrite, or with --resume where an earlier run at this --output drew it (runs
@@ -219,22 +214,22 @@ def _check_outputs(r: EvalRequest, *, demo: bool, measures: list[str], tasks: li
     drawn = recorded_pictures(output) if earlier else None
     heatmap = r.heatmap or (_beside(plot) if tasks or PASSKEY in measures else None)  # needles by depth; ppl: none
     pictures = []
-    for flag, path in (("--plot", plot), ("--heatmap", heatmap)):
+    for arg, path in (("plot", plot), ("heatmap", heatmap)):
         if not path:
             continue
         written = str(_resolved(picture_file(Path(path))))
         if r.overwrite or not r.resume:
             why = None
         elif not earlier:
-            why = f"--resume finds no earlier run at --output {output} that drew it"
+            why = f"{s.on('resume')} finds no earlier run at {given} that drew it"
         elif drawn is not None and written not in drawn:
-            why = f"the earlier run at --output {output} did not draw it"
+            why = f"the earlier run at {given} did not draw it"
         else:
             why = None
-        _check_picture(path, data=r.data, output=output, flag=flag,
-                       replace=r.overwrite or (r.resume and why is None), why=why)
+        _check_picture(path, data=r.data, output=output, arg=arg,
+                       replace=r.overwrite or (r.resume and why is None), why=why, spelling=s)
         if written in pictures:
-            raise ValueError(f"--heatmap {heatmap} is the --plot file; choose another")
+            raise ValueError(f"{s.given('heatmap', heatmap)} is the {s.name('plot')} file; choose another")
         pictures.append(written)
     return output, plot, heatmap, sorted(set(pictures) | ((drawn or set()) if r.resume else set()))
 
@@ -328,30 +323,32 @@ def picture_file(path: Path) -> Path:
     return path if path.suffix else path.with_name(path.name + ".png")
 
 
-def _check_picture(path: str, *, data: str | None, output: str, flag: str = "--plot", replace: bool = True,
-                   why: str | None = None) -> Path:
+def _check_picture(path: str, *, data: str | None, output: str, arg: str = "plot", replace: bool = True,
+                   why: str | None = None, spelling: Spelling = FLAGS) -> Path:
     """A picture matplotlib can write at ``path`` that replaces neither the data nor this run's results, nor (unless
     ``replace``: --overwrite, or --resume of the run that drew it) a file already there, a default name beside the
-    results included (it may be the user's picture); ``why``: why a --resume may not replace it. Returns the file
-    written."""
-    target = check_file_target(path, flag, "ppl.png")
+    results included (it may be the user's picture); ``why``: why a --resume may not replace it. ``arg``: the
+    argument that gave ``path`` (``plot``, ``heatmap``), named as ``spelling`` says. Returns the file written."""
+    s = spelling
+    flag, given = s.name(arg), s.given(arg, path)
+    target = check_file_target(path, arg, "ppl.png", s)
     if not replace and picture_file(target).exists():
         because = f", and {why} (it may be yours)" if why else ""
-        raise ValueError(f"{flag} {path}: {picture_file(target)} exists{because}; pass --overwrite to replace it, or "
-                         f"choose another {flag}")
+        raise ValueError(f"{given}: {picture_file(target)} exists{because}; pass {s.on('overwrite')} to replace it, "
+                         f"or choose another {flag}")
     try:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError:
         raise ValueError(f"{flag} needs matplotlib: pip install 'ctxext[eval]'") from None
     written = picture_file(target)
-    for other, what in ((data, "the data"), (output, "the --output results"),
-                        (jsonl_path(output), "the --output rows file")):
+    for other, what in ((data, "the data"), (output, f"the {s.name('output')} results"),
+                        (jsonl_path(output), f"the {s.name('output')} rows file")):
         if other and written.resolve() == Path(other).resolve():
-            raise ValueError(f"{flag} {path} would overwrite {what} {other}; choose another {flag}")
+            raise ValueError(f"{given} would overwrite {what} {other}; choose another {flag}")
     kinds = FigureCanvasBase.get_supported_filetypes()
     suffix = target.suffix.lower().lstrip(".")
     if suffix and suffix not in kinds:
-        raise ValueError(f"{flag} {path}: matplotlib cannot write .{suffix} pictures; end the name in .png, .pdf or "
+        raise ValueError(f"{given}: matplotlib cannot write .{suffix} pictures; end the name in .png, .pdf or "
                          f".svg (or one of {', '.join('.' + k for k in sorted(kinds))})")
     return written
 

@@ -10,12 +10,15 @@ checks what needs the files and the model's structure, before anything loads. No
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, fields
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
+from .device import DEVICES, DTYPES
 from .passkey import DEFAULT_DEPTHS
-from .requests import MethodChoice, parse_factor
+from .requests import FLAGS, KEYWORDS, MethodChoice, Spelling, method_names, no_methods, parse_factor
 from .tasks import PASSKEY, PPL, parse_tasks
 from .windows import PROTOCOLS
 
@@ -108,6 +111,20 @@ def is_model_object(model: Any) -> bool:
     return hasattr(model, "config") and callable(getattr(model, "forward", None))
 
 
+#: What ``command`` is when ``ctxext.evaluate`` built the request (its messages name keywords, not flags).
+PYTHON = "evaluate"
+
+
+def spelling_for(command: str) -> Spelling:
+    """How the messages of a run started by ``command`` name its arguments: ``ctxext.evaluate``'s keywords, or the
+    command line's flags."""
+    return KEYWORDS if command == PYTHON else FLAGS
+
+
+#: The arguments that are True or False.
+SWITCHES = ("chat_template", "passkey", "key_tokens", "resume", "overwrite", "progress", "demo")
+
+
 @dataclass(frozen=True)
 class EvalRequest:
     """Everything one evaluation needs to know, checked on construction (``ValueError`` / ``PatchError`` naming the
@@ -168,12 +185,14 @@ class EvalRequest:
 
     def __post_init__(self) -> None:
         put = object.__setattr__  # frozen: each normalised value is set once, here
+        s = self.spelling
+        for name in SWITCHES:  # a string is truthy: overwrite="False" would replace a finished run
+            put(self, name, _switch(s.name(name), getattr(self, name)))
         if self.model is None:
             put(self, "demo", True)
         held = is_model_object(self.model)
         if held:
-            if self.tokenizer is None:
-                raise ValueError("tokenizer: a model object needs its tokenizer (evaluate(model, tokenizer=...))")
+            _check_held(self.model, self.tokenizer)
             given = [n for n in ("gguf_file", "adapter", "dtype", "device") if getattr(self, n) is not None]
             if given:
                 raise ValueError(f"{', '.join(given)}: applies to a model that ctxext loads; a model object is "
@@ -192,33 +211,62 @@ class EvalRequest:
                     raise ValueError(f"{name}: expected a path, got {value!r}")
                 put(self, name, str(value))
         for name in ("stride", "max_windows", "max_tokens", "batch_size", "key_context", "key_short"):
-            _check_count(name, getattr(self, name), optional=True)
+            put(self, name, _count(name, getattr(self, name), optional=True))
         for name, maximum in (("task_samples", MAX_TASK_SAMPLES), ("passkey_trials", MAX_PASSKEY_TRIALS)):
-            _check_count(name, getattr(self, name), maximum=maximum)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            put(self, name, _count(name, getattr(self, name), maximum=maximum))
+        if not _whole(self.seed):
             raise ValueError(f"seed: expected a whole number, got {self.seed!r}")
-        if self.protocol not in PROTOCOLS:
-            raise ValueError(f"protocol: choose one of {', '.join(PROTOCOLS)}, got {self.protocol!r}")
+        put(self, "seed", int(self.seed))
+        for name in ("data_split", "text_field"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                raise ValueError(f"{s.name(name)}: expected a name, got {getattr(self, name)!r}")
+        for name, choices in (("protocol", PROTOCOLS), ("dtype", DTYPES), ("device", DEVICES)):
+            value = getattr(self, name)
+            if (value is not None or name == "protocol") and (not isinstance(value, str) or value not in choices):
+                raise ValueError(f"{s.name(name)} must be one of {', '.join(choices)}, got {value!r}")
         if self.factor is not None:
-            put(self, "factor", parse_factor(self.factor, "factor"))
+            put(self, "factor", parse_factor(self.factor, s.name("factor")))
         put(self, "lengths", _lengths(self.lengths))
         put(self, "task_depths", _depths("task_depths", self.task_depths))
         put(self, "passkey_depths", _depths("passkey_depths", self.passkey_depths))
-        if self.tasks is not None and not isinstance(self.tasks, str):
-            put(self, "tasks", ",".join(map(str, self.tasks)))
-        if self.tasks is not None:
-            parse_measures(self.tasks, passkey=False)  # unknown names: before anything else is looked at
+        put(self, "tasks", _tasks(self.tasks))
+        self._check_measures(s)  # unknown task names: before anything else is looked at
         put(self, "options", _options(self.options))
-        put(self, "choice", _choice(self.methods, self.options))
+        put(self, "choice", _choice(self.methods, self.options, s))
         if self.methods is not None and not isinstance(self.methods, str):
             put(self, "methods", _methods_as_given(self.methods))
         put(self, "texts", _texts(self.data, self.text_field))
         if self.texts is not None:
             put(self, "data", None)
-        if self.resume and self.output is None:
-            raise ValueError("resume: needs output= (the results to continue)")
-        if self.overwrite and self.output is None:
-            raise ValueError("overwrite: needs output= (the results to replace)")
+        for name, what in (("resume", "the results to continue"), ("overwrite", "the results to replace")):
+            if getattr(self, name) and self.output is None:
+                raise ValueError(f"{s.name(name)}: needs {s.name('output')} ({what})")
+        if self.resume and self.overwrite:
+            raise ValueError(f"{s.on('resume')} keeps the finished rows and {s.on('overwrite')} discards them: "
+                             "give one of them")
+
+    def _check_measures(self, s: Spelling) -> None:
+        """The task names, and the key-token settings against them and each other."""
+        try:
+            measures = parse_measures(self.tasks, passkey=self.passkey)
+        except ValueError as exc:  # the task catalogue names the flag: said as this request names it
+            raise ValueError(s.name("tasks") + str(exc).removeprefix("--tasks")) from None
+        if self.key_tokens and PPL not in measures:
+            raise ValueError(f"{s.name('key_tokens')} is a perplexity: add ppl to {s.name('tasks')}")
+        if not self.key_tokens and (self.evaluator or self.key_context or self.key_short):
+            raise ValueError(f"{s.name('evaluator')}, {s.name('key_context')} and {s.name('key_short')} need "
+                             f"{s.on('key_tokens')}")
+        if self.key_context and self.key_short and self.key_short >= self.key_context:
+            raise ValueError(f"{s.given('key_short', self.key_short)} must be shorter than "
+                             f"{s.given('key_context', self.key_context)}")
+        if self.demo and (self.gguf_file or self.adapter or self.evaluator):
+            raise ValueError(f"{s.name('gguf_file')}, {s.name('adapter')} and {s.name('evaluator')} need "
+                             f"{s.name('model')}")
+
+    @property
+    def spelling(self) -> Spelling:
+        """How messages name this request's arguments: keywords from ``ctxext.evaluate``, flags from the command."""
+        return spelling_for(self.command)
 
     @property
     def holds_model(self) -> bool:
@@ -235,12 +283,47 @@ class EvalRequest:
         return [f.name for f in fields(cls) if f.init]
 
 
-def _check_count(name: str, value: Any, *, optional: bool = False, maximum: int | None = None) -> None:
+def _whole(value: Any) -> bool:
+    """An int or a numpy integer; not a bool (True is not a count)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and not _is_bool(value)
+
+
+def _is_bool(value: Any) -> bool:
+    """True or False, also as numpy.bool_ (``array.all()`` gives one)."""
+    return isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_"))
+
+
+def _switch(name: str, value: Any) -> bool:
+    if not _is_bool(value):
+        raise ValueError(f"{name}: expected True or False, got {value!r} ({type(value).__name__})")
+    return bool(value)
+
+
+def _count(name: str, value: Any, *, optional: bool = False, maximum: int | None = None) -> int | None:
+    """``value`` as an int from 1 to ``maximum``; None where ``optional`` and not given."""
     if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (maximum and value > maximum):
+        return None
+    if not _whole(value) or value < 1 or (maximum and value > maximum):
         bound = f"from 1 to {maximum:,}" if maximum else ">= 1"
         raise ValueError(f"{name}={value!r}: expected a whole number {bound}")
+    return int(value)
+
+
+def _check_held(model: Any, tokenizer: Any) -> None:
+    """A model object with weights to compute with, and a tokenizer object (a name is not loaded for it)."""
+    if tokenizer is None:
+        raise ValueError("tokenizer: a model object needs its tokenizer (evaluate(model, tokenizer=...))")
+    if isinstance(tokenizer, (str, Path)):
+        raise ValueError(f"tokenizer: expected the model's tokenizer object, got the name {str(tokenizer)!r}; load "
+                         "it (AutoTokenizer.from_pretrained(NAME)) and pass it, or pass the model by name too")
+    if not callable(tokenizer):
+        raise ValueError(f"tokenizer: expected the model's tokenizer object (e.g. from AutoTokenizer.from_pretrained), "
+                         f"got {type(tokenizer).__name__}")
+    tensors = chain(getattr(model, "parameters", tuple)(), getattr(model, "buffers", tuple)())
+    if any(getattr(getattr(t, "device", None), "type", None) == "meta" for t in tensors):
+        raise ValueError("model: its weights are on the meta device (a skeleton without values); load them first "
+                         "(from_pretrained without init_empty_weights / device_map='meta', or load_state_dict with "
+                         "assign=True), or pass the model's name")
 
 
 def _lengths(value: Any) -> list[int] | None:
@@ -251,16 +334,23 @@ def _lengths(value: Any) -> list[int] | None:
             return parse_lengths(value)
         except ValueError as exc:
             raise ValueError(f"lengths: {exc}") from None
-    if isinstance(value, int) and not isinstance(value, bool):
+    if _whole(value):
         value = [value]
+    if not _iterable(value):
+        raise ValueError(f"lengths: expected whole numbers of tokens (e.g. [512, 1024]) or a string such as "
+                         f"'512,1k', got {value!r}")
     try:
-        return parse_lengths(",".join(str(int(v)) if isinstance(v, int) and not isinstance(v, bool) else repr(v)
-                                      for v in value))
+        return parse_lengths(",".join(str(int(v)) if _whole(v) else repr(v) for v in value))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"lengths: {exc}") from None
 
 
 def _depths(name: str, value: Any) -> tuple[float, ...]:
+    if _real(value):
+        value = [value]
+    if not isinstance(value, str) and not _iterable(value):
+        raise ValueError(f"{name}: expected fractions of the context between 0 and 1 (e.g. [0, 0.5, 1]), "
+                         f"got {value!r}")
     text = value if isinstance(value, str) else ",".join(repr(float(v)) if _real(v) else repr(v) for v in value)
     try:
         return parse_depths(text)
@@ -269,7 +359,27 @@ def _depths(name: str, value: Any) -> tuple[float, ...]:
 
 
 def _real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, numbers.Real) and not _is_bool(value) and math.isfinite(value)
+
+
+def _iterable(value: Any) -> bool:
+    """A list-like of items (not a string, bytes or mapping, which iterate as something else)."""
+    if isinstance(value, (str, bytes, dict)) or hasattr(value, "keys"):
+        return False
+    try:
+        iter(value)
+    except TypeError:
+        return False
+    return True
+
+
+def _tasks(value: Any) -> str | None:
+    """Task names as ``--tasks`` spells them; a list of names joined."""
+    if value is None or isinstance(value, str):
+        return value
+    if not _iterable(value) or not all(isinstance(t, str) for t in value):
+        raise ValueError(f"tasks: expected task names, as a string ('ppl,passkey') or a list of strings, got {value!r}")
+    return ",".join(value)
 
 
 def _options(value: Any) -> tuple[str, ...]:
@@ -280,10 +390,9 @@ def _options(value: Any) -> tuple[str, ...]:
         return tuple(f"{k}={v}" for k, v in value.items())
     if isinstance(value, str):
         value = [value]
-    out = tuple(value)
-    if not all(isinstance(o, str) for o in out):
+    if not _iterable(value) or not all(isinstance(o, str) for o in value):
         raise ValueError(f"options: expected KEY=VALUE strings or a dict, got {value!r}")
-    return out
+    return tuple(value)
 
 
 def _method_items(methods: Any) -> list:
@@ -294,10 +403,17 @@ def _method_items(methods: Any) -> list:
     return list(methods)
 
 
-def _choice(methods: Any, options: tuple[str, ...]) -> MethodChoice:
-    """``methods`` parsed once: a spec string as ``--methods``; a list of names and ``(method, factor[, options])``."""
+def _choice(methods: Any, options: tuple[str, ...], spelling: Spelling) -> MethodChoice:
+    """``methods`` parsed once: a spec string as ``--methods``; a list of names and ``(method, factor[, options])``.
+    None is the default set; a string or list that names no method is refused (not taken as the default: that set
+    runs every method that fits, hours on a real model)."""
+    if isinstance(methods, str) and not method_names(methods):
+        raise ValueError(no_methods(spelling))
     if methods is None or isinstance(methods, str):
-        return MethodChoice.parse(methods or None, options=list(options))
+        return MethodChoice.parse(methods, options=list(options), spelling=spelling)
+    if not isinstance(methods, (list, tuple)):
+        raise ValueError(f"{spelling.name('methods')}: expected a string such as 'none,pi,yarn:8', or a list of names "
+                         f"and (method, factor, options) tuples, got {type(methods).__name__}")
     names, own = [], []
     for item in _method_items(methods):
         if isinstance(item, str):
@@ -311,7 +427,9 @@ def _choice(methods: Any, options: tuple[str, ...]) -> MethodChoice:
             own += [f"{method.strip().lower()}.{k}={v}" for k, v in (opts or {}).items()]
         else:
             raise ValueError(f"methods: expected names like 'yarn:8' or (method, factor, options) tuples, got {item!r}")
-    return MethodChoice.parse(",".join(names), options=list(options) + own)
+    if not [n for name in names for n in method_names(name)]:
+        raise ValueError(no_methods(spelling))
+    return MethodChoice.parse(",".join(names), options=list(options) + own, spelling=spelling)
 
 
 def _methods_as_given(methods: Any) -> str:
@@ -330,17 +448,21 @@ def _texts(data: Any, text_field: str) -> tuple[str, ...] | None:
     """The documents of ``data`` given as strings or as a ``datasets.Dataset``; None for a path or name."""
     if data is None or isinstance(data, (str, Path)):
         return None
+    takes = "a path, a dataset name, a list of strings or a datasets.Dataset"
     columns = getattr(data, "column_names", None)
     if columns is not None and not isinstance(columns, dict):  # a datasets.Dataset
         if text_field not in columns:
             raise ValueError(f"data: the dataset has no {text_field!r} column (columns: {', '.join(columns)}); "
                              "give text_field=")
         data = data[text_field]
-    elif hasattr(data, "keys"):
+    elif type(data).__name__.endswith("DatasetDict"):
         raise ValueError("data: a DatasetDict holds several splits; pass one (e.g. data=ds['test'])")
+    if not _iterable(data):
+        raise ValueError(f"data: expected {takes}, got {type(data).__name__}")
     texts = tuple(data)
     if not all(isinstance(t, str) for t in texts):
-        raise ValueError("data: expected a path, a list of strings or a datasets.Dataset")
+        raise ValueError(f"data: expected {takes}; got a {type(data).__name__} holding "
+                         f"{type(next(t for t in texts if not isinstance(t, str))).__name__}")
     texts = tuple(t for t in texts if t.strip())
     if not texts:
         raise ValueError("data: no text found")

@@ -7,8 +7,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..core.errors import PatchError
-from ..methods.registry import (MAX_FACTOR, METHODS, accepted_options, derived_options, resolve_method,
-                                validate_options)
+from ..methods.registry import (MAX_FACTOR, METHODS, as_number, accepted_options, derived_options,
+                                resolve_method, validate_options)
 from ..methods.temperature import OPTION as TEMPERATURE
 from ..methods.temperature import OPTIONS as TEMPERATURE_OPTIONS
 
@@ -18,6 +18,36 @@ NONE = "none"
 NONE_WITH_TEMPERATURE = ("extrapolate", 1.0)
 #: What the rows of a model evaluated with a LoRA adapter (``--adapter``) add to their method label.
 ADAPTER_SUFFIX = " +LoRA"
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How messages name the arguments of an evaluation: the command line's flags (``--output r.json``,
+    ``--resume``) or ``ctxext.evaluate``'s keywords (``output='r.json'``, ``resume=True``). An argument is given by
+    its keyword name (``output``, ``key_tokens``)."""
+
+    flags: bool = True
+
+    def name(self, arg: str) -> str:
+        """``--output`` / ``output``."""
+        return _FLAG_NAMES.get(arg, "--" + arg.replace("_", "-")) if self.flags else arg
+
+    def given(self, arg: str, value: Any) -> str:
+        """The argument with its value: ``--output r.json`` / ``output='r.json'``."""
+        return f"{self.name(arg)} {value}" if self.flags else f"{arg}={value!r}"
+
+    def on(self, arg: str) -> str:
+        """A switch turned on: ``--resume`` / ``resume=True``."""
+        return self.name(arg) if self.flags else f"{arg}=True"
+
+    def again(self) -> str:
+        """How to run the same evaluation again."""
+        return "run the same command again" if self.flags else "call ctxext.evaluate again with the same arguments"
+
+
+#: Keyword names whose flag is not ``--`` plus the name with dashes.
+_FLAG_NAMES = {"options": "--option"}
+FLAGS, KEYWORDS = Spelling(flags=True), Spelling(flags=False)
 
 
 def is_unpatched_label(label: str) -> bool:
@@ -72,47 +102,57 @@ class MethodRequest:
         return (*NONE_WITH_TEMPERATURE, dict(self.options)) if self.options else None
 
 
-def parse_options(pairs: list[str] | None) -> dict[str | None, dict[str, str]]:
+def parse_options(pairs: list[str] | None, spelling: Spelling = FLAGS) -> dict[str | None, dict[str, str]]:
     """``KEY=VALUE`` (every method that accepts KEY) or ``METHOD.KEY=VALUE`` -> {method or None: {key: value}}."""
     out: dict[str | None, dict[str, str]] = {}
+    option = spelling.name("options")
     for pair in pairs or []:
         if "=" not in pair:
-            raise ValueError(f"--option expects KEY=VALUE or METHOD.KEY=VALUE, got {pair!r}")
+            raise ValueError(f"{option} expects KEY=VALUE or METHOD.KEY=VALUE, got {pair!r}")
         key, value = pair.split("=", 1)
         method = None
         if "." in key:
             method, key = key.split(".", 1)
             method = NONE if method.strip().lower() == NONE else resolve_method(method).name
         if not key.strip():
-            raise ValueError(f"--option {pair}: no option name before '='; give KEY=VALUE or METHOD.KEY=VALUE "
+            raise ValueError(f"{option} {pair}: no option name before '='; give KEY=VALUE or METHOD.KEY=VALUE "
                              "(e.g. beta_fast=32)")
         out.setdefault(method, {})[key.strip()] = value.strip()
     return out
 
 
 def parse_factor(text, what: str) -> float:
-    """A factor from the command line (a number or a number-like string), between 1 and ``MAX_FACTOR``."""
-    try:
-        value = float(text)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}: factor must be a number, got {text!r}") from None
+    """A factor (a number or a number-like string, as the command line gives it), between 1 and ``MAX_FACTOR``.
+    What is a number is ``ctxext.patch``'s rule: a bool is not (``True`` would run the model unpatched as x1)."""
+    value = _number_in(text) if isinstance(text, str) else as_number(text)
+    if value is None:
+        kind = f" ({type(text).__name__})" if not isinstance(text, str) else ""
+        raise ValueError(f"{what}: factor must be a number, got {text!r}{kind}")
     if not math.isfinite(value) or not 1 <= value <= MAX_FACTOR:
         raise ValueError(f"{what}: factor must be a number between 1 and {MAX_FACTOR:g}, got {text!r}")
     return value
 
 
+def _number_in(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
 def parse_methods(
-    spec: str | None, *, factor: float | None, options: list[str] | None = None, default: list[str] | None = None
+    spec: str | None, *, factor: float | None, options: list[str] | None = None, default: list[str] | None = None,
+    spelling: Spelling = FLAGS,
 ) -> list[MethodRequest]:
     """Parse ``--methods`` (comma-separated ``NAME`` or ``NAME:FACTOR``; ``none`` = unpatched).
 
     ``factor`` applies to every method that takes one and has no ``:FACTOR``. ``default`` (method
     names) is used when ``spec`` is empty. Unknown methods, and options no listed method accepts, raise.
     """
-    names = [s.strip() for s in spec.split(",") if s.strip()] if spec else list(default or [])
+    names = method_names(spec) if spec else list(default or [])
     if not names:
-        raise ValueError("no methods to evaluate (give --methods, e.g. none,pi,yarn)")
-    by_method = parse_options(options)
+        raise ValueError(no_methods(spelling))
+    by_method = parse_options(options, spelling)
     requests: list[MethodRequest] = []
     used_global: set[str] = set()
     for item in names:
@@ -142,8 +182,9 @@ def parse_methods(
             own_options = by_method.get(info.name, {})
             clash = sorted(k for k in own_options if k in ("factor", "method", "model"))
             if clash:  # names of the patch call itself, not options
+                methods_, factor_ = spelling.name("methods"), spelling.name("factor")
                 raise ValueError(f"{info.name}.{clash[0]}: not an option of {info.name!r}; give a factor as "
-                                 f"{info.name}:F in --methods or with --factor, the method in --methods")
+                                 f"{info.name}:F in {methods_} or with {factor_}, the method in {methods_}")
             opts.update(own_options)
             req = MethodRequest(info.name, f, opts)
         if req in requests:
@@ -154,8 +195,21 @@ def parse_methods(
         raise ValueError(f"option(s) {', '.join(unused)} apply to none of the methods {', '.join(names)}")
     for method in by_method:
         if method is not None and method not in {r.method for r in requests}:
-            raise ValueError(f"--option for {method!r}, which is not among --methods")
+            raise ValueError(f"{spelling.name('options')} for {method!r}, which is not among "
+                             f"{spelling.name('methods')}")
     return requests
+
+
+def method_names(spec: str) -> list[str]:
+    """The names of a ``--methods`` string, each once as written: ``"none, yarn:8,"`` -> ["none", "yarn:8"]."""
+    return [s.strip() for s in spec.split(",") if s.strip()]
+
+
+def no_methods(spelling: Spelling = FLAGS) -> str:
+    """What to say where the methods asked for are none (``methods=[]``, ``--methods ""``)."""
+    methods = spelling.name("methods")
+    return (f"{methods}: no methods to evaluate; name some (e.g. none,pi,yarn), or leave {methods} out for the "
+            "default set (none and every method that fits the model)")
 
 
 def takes_factor(method: str) -> bool:
@@ -183,15 +237,18 @@ class MethodChoice:
 
     given: tuple[MethodRequest, ...] | None = None
     options: tuple[str, ...] = ()
+    #: How messages name --methods and --option (the keywords where ``ctxext.evaluate`` asked).
+    spelling: Spelling = field(default=FLAGS, compare=False)
 
     @classmethod
-    def parse(cls, spec: str | None, *, options: list[str] | None = None) -> MethodChoice:
+    def parse(cls, spec: str | None, *, options: list[str] | None = None, spelling: Spelling = FLAGS) -> MethodChoice:
         """Raises ValueError (PatchError for a bad option value) on unknown names, bad factors and stray options;
         without ``spec`` only the form of each option is checked: which methods take it depends on the model."""
         if not spec:
-            parse_options(options)
-            return cls(None, tuple(options or ()))
-        return cls(tuple(parse_methods(spec, factor=None, options=options)), tuple(options or ()))
+            parse_options(options, spelling)
+            return cls(None, tuple(options or ()), spelling)
+        return cls(tuple(parse_methods(spec, factor=None, options=options, spelling=spelling)), tuple(options or ()),
+                   spelling)
 
     @property
     def patches(self) -> bool:
@@ -208,7 +265,8 @@ class MethodChoice:
             fits = list(available_methods(model))
         except PatchError:
             fits = []
-        return parse_methods(None, factor=factor, options=list(self.options), default=[NONE] + fits)
+        return parse_methods(None, factor=factor, options=list(self.options), default=[NONE] + fits,
+                             spelling=self.spelling)
 
 
 def check_request(model, request: MethodRequest) -> None:

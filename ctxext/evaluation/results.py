@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from ..core.outputs import first_record, write_atomic
+from .requests import FLAGS, Spelling
 from .tasks.catalog import is_task
 
 RowKey = tuple
@@ -161,43 +162,43 @@ def finished_rows(output: str | os.PathLike) -> int:
     return count
 
 
-def check_file_target(path: str | os.PathLike, flag: str, example: str) -> Path:
-    """Raise ValueError unless ``path`` names a file that can be created or replaced (not a directory, not under a
-    file, in a writable folder). Touches nothing."""
+def check_file_target(path: str | os.PathLike, arg: str, example: str, spelling: Spelling = FLAGS) -> Path:
+    """Raise ValueError unless ``path`` (given as the argument ``arg``: ``output``, ``plot``) names a file that can
+    be created or replaced (not a directory, not under a file, in a writable folder). Touches nothing."""
     from ..core.outputs import check_regular_file
 
-    target = Path(path)
+    target, given = Path(path), spelling.given(arg, path)
     if str(path).endswith(("/", os.sep)) or target.is_dir():
-        raise ValueError(f"{flag} {path} is a directory; give a file name, e.g. {target / example}")
-    check_regular_file(target, flag)
+        raise ValueError(f"{given} is a directory; give a file name, e.g. {target / example}")
+    check_regular_file(target, spelling.name(arg), subject=given)
     parent = target.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
+        raise ValueError(f"{given}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK):
-        raise ValueError(f"{flag} {path}: cannot write in {parent}")
+        raise ValueError(f"{given}: cannot write in {parent}")
     return target
 
 
-def check_output(output: str | os.PathLike, *, resume: bool, overwrite: bool, flag: str = "--output") -> None:
+def check_output(output: str | os.PathLike, *, resume: bool, overwrite: bool, spelling: Spelling = FLAGS) -> None:
     """Raise ValueError if ``output`` cannot take this run's results, or holds a finished run that neither
-    ``resume`` nor ``overwrite`` allows replacing. Touches nothing."""
+    ``resume`` nor ``overwrite`` allows replacing (not both: the request refuses that). Touches nothing.
+    ``spelling``: how the messages name output, resume and overwrite (flags or ``ctxext.evaluate``'s keywords)."""
     from ..core.outputs import check_regular_file
 
-    if resume and overwrite:
-        raise ValueError("--resume keeps the finished rows and --overwrite discards them: give one of them")
-    out = check_file_target(output, flag, "eval.json")
+    flag, given = spelling.name("output"), spelling.given("output", output)
+    out = check_file_target(output, "output", "eval.json", spelling)
     jsonl = jsonl_path(out)
     if jsonl.is_dir():
-        raise ValueError(f"{flag} {output}: its rows file {jsonl} is a directory; choose another {flag}")
-    check_regular_file(jsonl, f"{flag} {output}: its rows file")
+        raise ValueError(f"{given}: its rows file {jsonl} is a directory; choose another {flag}")
+    check_regular_file(jsonl, flag, subject=f"{given}: its rows file {jsonl}")
     # never resume, replace or append to a file ctxext did not write
     if out.is_file() and out.stat().st_size and not _is_result_file(out):
-        raise ValueError(f"{flag} {output} exists and is not a ctxext eval result; ctxext will not replace it: "
+        raise ValueError(f"{given} exists and is not a ctxext eval result; ctxext will not replace it: "
                          f"choose another {flag}")
     if jsonl.is_file() and jsonl.stat().st_size and not _is_rows_file(jsonl):
-        raise ValueError(f"{flag} {output}: {jsonl} exists and is not a ctxext eval rows file; ctxext will not "
+        raise ValueError(f"{given}: {jsonl} exists and is not a ctxext eval rows file; ctxext will not "
                          f"replace it: choose another {flag}")
     owner = _rows_owner(jsonl) if jsonl.is_file() else None
     if owner is None and jsonl.is_file() and jsonl.stat().st_size and not (out.is_file() and _is_result_file(out)):
@@ -207,22 +208,22 @@ def check_output(output: str | os.PathLike, *, resume: bool, overwrite: bool, fl
                       if p.name not in (out.name, jsonl.name) and p.name == jsonl.stem + p.suffix and p.is_file()
                       and _is_result_file(p)), None)
     if owner is not None and owner != out.name:  # X.json and X.txt share X.jsonl: --overwrite would replace the other's
-        raise ValueError(f"{flag} {output}: its rows file {jsonl} holds the rows of another run, whose results are "
+        raise ValueError(f"{given}: its rows file {jsonl} holds the rows of another run, whose results are "
                          f"{jsonl.with_name(owner)} (both names keep their rows in {jsonl.name}); choose a {flag} whose name "
                          "differs before its suffix")
     if not (resume or overwrite):
         rows = finished_rows(out)
         if rows:
             raise ValueError(
-                f"{flag} {output} holds a finished run ({rows} row{'s' if rows != 1 else ''}); pass --resume to "
-                f"continue it, --overwrite to replace it, or choose another {flag}"
+                f"{given} holds a finished run ({rows} row{'s' if rows != 1 else ''}); pass {spelling.on('resume')} "
+                f"to continue it, {spelling.on('overwrite')} to replace it, or choose another {flag}"
             )
     elif resume and not (jsonl.is_file() and jsonl.stat().st_size) and finished_rows(out):
         # a resume reads the rows file (and its header: model, data, plan); without it, it would replace the results
         raise ValueError(
-            f"--resume: {flag} {output} holds a finished run, but its rows file {jsonl} is missing or empty, and a "
-            f"resume continues from that file (it checks the model, data and plan there); restore it, or pass "
-            f"--overwrite to replace the results, or choose another {flag}")
+            f"{spelling.name('resume')}: {given} holds a finished run, but its rows file {jsonl} is missing or empty, "
+            f"and a resume continues from that file (it checks the model, data and plan there); restore it, or pass "
+            f"{spelling.on('overwrite')} to replace the results, or choose another {flag}")
 
 
 def recorded_pictures(output: str | os.PathLike) -> set[str] | None:
@@ -239,11 +240,12 @@ def recorded_pictures(output: str | os.PathLike) -> set[str] | None:
 
 class ResultStore:
     def __init__(self, output: str | os.PathLike | None, settings: dict[str, Any], *, resume: bool = False, enabled: bool = True,
-                 pictures: list[str] | None = None):
+                 pictures: list[str] | None = None, spelling: Spelling = FLAGS):
         """``enabled=False`` (non-main processes) keeps rows in memory and writes nothing. Reads only: nothing
         is written before the first :meth:`add`. ``pictures``: the files this run draws (recorded in the header,
-        so that a --resume may replace them and no other file)."""
+        so that a --resume may replace them and no other file). ``spelling``: how messages name the arguments."""
         self.pictures = list(pictures or [])
+        self.spelling = spelling
         # no output (``ctxext.evaluate`` without ``output=``): rows are kept in memory only
         self.output = Path(output) if output is not None else None
         self.jsonl = jsonl_path(self.output) if output is not None else None
@@ -275,13 +277,15 @@ class ResultStore:
         settings = self.settings
         if isinstance(header, dict):  # a key added to the settings later is compared only where the run recorded it
             settings = {k: v for k, v in settings.items() if k in header or k not in ADDED_LATER}
+        s = self.spelling
         if header is not None and header != settings:
             raise ValueError(
-                f"--resume: {self.jsonl} was written by a run with other settings "
-                f"({', '.join(_differences(header, settings))}); use another --output or drop --resume"
+                f"{s.name('resume')}: {self.jsonl} was written by a run with other settings "
+                f"({', '.join(_differences(header, settings))}); use another {s.name('output')} or drop "
+                f"{s.on('resume')}"
             )
         if header is None and self.rows:
-            raise ValueError(f"--resume: {self.jsonl} has no run header; it was not written by ctxext eval")
+            raise ValueError(f"{s.name('resume')}: {self.jsonl} has no run header; it was not written by ctxext eval")
         self.resumed = len(self.rows)
         self._append = header is not None
 
@@ -296,9 +300,10 @@ class ResultStore:
         try:
             self._write(row)
         except OSError as exc:  # a full disk names no file: say which, and what is kept
-            raise OSError(f"--output {self.output}: a finished row could not be written to its rows file {self.jsonl} "
-                          f"({exc.strerror or exc}); the rows written before it are kept: run the same command again "
-                          "with --resume to continue") from exc
+            s = self.spelling
+            raise OSError(f"{s.given('output', str(self.output))}: a finished row could not be written to its rows "
+                          f"file {self.jsonl} ({exc.strerror or exc}); the rows written before it are kept: "
+                          f"{s.again()} with {s.on('resume')} to continue") from exc
 
     def _write(self, row: dict[str, Any]) -> None:
         line = json.dumps(row) + "\n"
@@ -342,7 +347,8 @@ class ResultStore:
         try:
             write_atomic(self.output, json.dumps(document, indent=2, default=str) + "\n")
         except OSError as exc:  # a full disk names no file: say which, and that the rows are safe
-            raise OSError(f"--output {self.output}: not written ({exc.strerror or exc}); the finished rows "
-                          f"are kept in {self.jsonl}: run the same command again with --resume to write it (no row "
+            s = self.spelling
+            raise OSError(f"{s.given('output', str(self.output))}: not written ({exc.strerror or exc}); the finished "
+                          f"rows are kept in {self.jsonl}: {s.again()} with {s.on('resume')} to write it (no row "
                           "is computed again)") from exc
         return self.output

@@ -13,6 +13,7 @@ from typing import Any, Iterator
 from ..core.outputs import OutputLock
 from .device import make_state
 from .report import results_document
+from .request import spelling_for
 from .results import ResultStore, check_output, jsonl_path
 from .runner import Outcome, Runner
 
@@ -34,13 +35,16 @@ def open_run(plan) -> Iterator[Any]:
     """The accelerate state of this process; the main process holds the output from before the first model loads
     to the last write (one writer per output)."""
     state = make_state(plan.device)
+    s = spelling_for(getattr(plan, "command", "eval"))  # a plan-like object without one: the command's flags
     with contextlib.ExitStack() as stack:
         if state.is_main_process and plan.output is not None:
-            stack.enter_context(OutputLock(plan.output, "--output"))
+            flag, given = s.name("output"), s.given("output", plan.output)
+            stack.enter_context(OutputLock(plan.output, flag, subject=given))
             # X.json and X.txt keep their rows in one X.jsonl: a run on the other name must wait for this one too
             rows = jsonl_path(plan.output)
-            stack.enter_context(OutputLock(rows, "--output", subject=f"--output {plan.output}: its rows file {rows}"))
-            check_output(plan.output, resume=plan.resume, overwrite=plan.overwrite)  # again: another run may have ended
+            stack.enter_context(OutputLock(rows, flag, subject=f"{given}: its rows file {rows}"))
+            # again: another run may have ended
+            check_output(plan.output, resume=plan.resume, overwrite=plan.overwrite, spelling=s)
         yield state
 
 
@@ -64,7 +68,7 @@ def _planned_only(rows: list[dict], plan, outcome, runner) -> list[dict]:
 def run_plan(plan, state) -> Finished:
     """Run every job of ``plan``; the final document holds every finished row, also when the run is cut short."""
     store = ResultStore(plan.output, plan.fingerprint(), resume=plan.resume, enabled=state.is_main_process,
-                        pictures=plan.pictures)
+                        pictures=plan.pictures, spelling=spelling_for(plan.command))
     runner = Runner(plan.settings, store, state, command=plan.command)
     for problem in store.rejected:
         runner.log(f"resume: {problem}; not kept, recomputed")

@@ -49,7 +49,7 @@ def method_names() -> str:
 MAX_FACTOR = 1024
 
 
-def _as_number(value: Any) -> float | None:
+def as_number(value: Any) -> float | None:
     """``value`` as a float if it is a real number (int, float, a numpy or 0-d torch scalar), else None.
     Booleans and strings are not numbers here."""
     if isinstance(value, bool):
@@ -86,7 +86,7 @@ def validate_factor(method: Method, factor: Any) -> float | None:
             return None
     elif factor is None:
         raise PatchError(f"method {method.name!r} needs a factor (a number >= 1, e.g. factor=4)")
-    number = _as_number(factor)
+    number = as_number(factor)
     if number is None:
         if isinstance(factor, str):
             try:
