@@ -3,12 +3,14 @@ JSON lines and JSON lists holding the text in one field, and folders of them."""
 
 from __future__ import annotations
 
+import codecs
 import errno
 import fnmatch
 import gzip
 import json
 import lzma
 import os
+import shlex
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -76,6 +78,8 @@ def iter_jsonl(path: Path, text_field: str, hint: str, errors: str = "strict") -
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
+                if "\0" in line:  # not JSON but UTF-16 without a byte-order mark: say so
+                    raise ValueError(not_utf8_message(path)) from None
                 raise ValueError(f"{path}:{number}: not a JSON line ({exc.msg})") from None
             if not isinstance(row, dict) or text_field not in row:
                 raise ValueError(f"{path}:{number}: no {text_field!r} field ({hint})")
@@ -100,16 +104,117 @@ def find_files(folder: Path) -> list[Path]:
 def read_documents(path: Path, text_field: str, hint: str, errors: str = "strict") -> Iterator[str]:
     """The documents of one file: the ``text_field`` of each JSON line (.jsonl, .ndjson) or of each object of a JSON
     list (.json; JSON lines saved as .json read as such), else the whole file as one document. ValueError naming the
-    file for text that is not UTF-8 (UTF-16, a binary file)."""
+    file for text that is not UTF-8 (UTF-16, Latin-1, a binary file), with the offset of the first bad byte and the
+    conversion that fits its bytes (:func:`not_utf8_message`)."""
     try:
         yield from _documents(path, text_field, hint, errors)
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); convert it to UTF-8, e.g. "
-                         f"iconv -f UTF-16 -t UTF-8") from None
+    except UnicodeDecodeError:
+        raise ValueError(not_utf8_message(path)) from None
     except DAMAGED_COMPRESSION as exc:  # JSON lines read as they stream
         raise _damaged(path, exc) from None
     except RecursionError:
         raise ValueError(f"{path}: JSON nested too deeply to read") from None
+
+
+#: Bytes read to guess what a file that is not UTF-8 holds.
+SNIFF_BYTES = 1 << 16
+#: Byte-order marks, longest first (UTF-32's little-endian mark begins with UTF-16's).
+BOMS = ((codecs.BOM_UTF32_LE, "UTF-32"), (codecs.BOM_UTF32_BE, "UTF-32"), (codecs.BOM_UTF16_LE, "UTF-16"),
+        (codecs.BOM_UTF16_BE, "UTF-16"))
+
+
+def _open_bytes(path: Path):
+    opener = COMPRESSED_SUFFIXES.get(path.suffix.lower())
+    return opener(path, "rb") if opener is not None else path.open("rb")
+
+
+def first_bad_byte(path: Path) -> tuple[int, bytes] | None:
+    """The offset of the first byte of ``path`` (decompressed) that is not UTF-8 or is NUL (UTF-8, but never in text:
+    ASCII in UTF-16 without a byte-order mark decodes as UTF-8 with a NUL after every letter), and the bytes from it on
+    (at most ``SNIFF_BYTES``); None if there is none."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    read = 0
+    with _open_bytes(path) as fh:
+        while True:
+            block = fh.read(1 << 20)
+            pending = decoder.getstate()[0]  # the start of a character cut by the previous block
+            nul = block.find(0)
+            bad = read + nul if nul >= 0 else None
+            try:
+                decoder.decode(block, final=not block)
+            except UnicodeDecodeError as exc:
+                invalid = read - len(pending) + exc.start
+                bad = invalid if bad is None else min(bad, invalid)
+            if bad is not None:
+                return bad, (pending + block)[bad - read + len(pending) :][:SNIFF_BYTES]
+            if not block:
+                return None
+            read += len(block)
+
+
+def guess_encoding(head: bytes, offset: int, bad: bytes) -> str:
+    """What a file that is not UTF-8 most likely holds, from its first bytes (``head``), the offset of its first bad
+    byte and the bytes from there on (``bad``): "UTF-32" or "UTF-16" (a byte-order mark), "UTF-16LE" or "UTF-16BE"
+    (NUL bytes at every other place: ASCII text in UTF-16), "binary" (other NUL or control bytes), "mixed" (the bytes
+    before the bad one hold UTF-8 characters beyond ASCII), "CP1252" (bytes 0x80-0x9F: Windows' quotes and dashes),
+    else "LATIN1"."""
+    for bom, name in BOMS:
+        if head.startswith(bom):
+            return name
+    even, odd = head[0::2], head[1::2]
+    if max(even.count(0), odd.count(0)) > len(head) // 4:
+        return "UTF-16LE" if odd.count(0) > even.count(0) else "UTF-16BE"
+    seen = head + bad
+    if 0 in seen or sum(b < 32 and b not in b"\t\n\r\f" for b in seen) > len(seen) // 100:
+        return "binary"
+    if any(b >= 0x80 for b in head[:offset]):
+        return "mixed"
+    return "CP1252" if any(0x80 <= b <= 0x9F for b in seen) else "LATIN1"
+
+
+#: How each guess of :func:`guess_encoding` that has a conversion is said.
+ENCODING_NAMES = {
+    "LATIN1": "Latin-1 (ISO-8859-1)", "CP1252": "Windows-1252 (bytes 0x80-0x9F are its quotes and dashes)",
+    "UTF-16": "UTF-16 (it starts with a byte-order mark)", "UTF-32": "UTF-32 (it starts with a byte-order mark)",
+    "UTF-16LE": "UTF-16 little-endian (NUL bytes at every other place)",
+    "UTF-16BE": "UTF-16 big-endian (NUL bytes at every other place)",
+}
+
+
+def _convert_command(path: Path, encoding: str, drop_bad: bool = False) -> str:
+    """The shell command that writes ``path`` as UTF-8 beside it (``book.txt`` -> ``book.utf8.txt``); ``drop_bad``:
+    leaving out the bytes that are not ``encoding``."""
+    plain = Path(plain_name(path))
+    target = shlex.quote(str(path.with_name(f"{plain.stem}.utf8{plain.suffix}")))
+    iconv = f"iconv -f {encoding} -t UTF-8" + (" -c" if drop_bad else "")
+    if path.suffix.lower() in COMPRESSED_SUFFIXES:
+        tool = {".gz": "gzip", ".xz": "xz"}[path.suffix.lower()]
+        return f"{tool} -dc {shlex.quote(str(path))} | {iconv} > {target}"
+    return f"{iconv} {shlex.quote(str(path))} > {target}"
+
+
+def not_utf8_message(path: Path) -> str:
+    """Why ``path`` cannot be read as UTF-8 text, where (the offset of its first bad byte), and how to convert it, the
+    advice chosen from its bytes (:func:`guess_encoding`)."""
+    try:
+        found = first_bad_byte(path)
+        with _open_bytes(path) as fh:
+            head = fh.read(SNIFF_BYTES)
+    except (OSError, *DAMAGED_COMPRESSION):  # damaged after the bad byte, or gone since: what is known
+        found = None
+    if found is None:
+        return f"{path}: not UTF-8 text"
+    offset, bad = found
+    kind = guess_encoding(head, offset, bad)
+    where = "of its decompressed text " if path.suffix.lower() in COMPRESSED_SUFFIXES else ""
+    said = f"{path}: not UTF-8 text (byte {offset} {where}is 0x{bad[0]:02X})"
+    if kind == "binary":
+        return f"{said}; it looks like a binary file (NUL or control bytes), not text"
+    if kind == "mixed":
+        drop = _convert_command(path, "UTF-8", drop_bad=True)
+        return (f"{said}; the text before it is UTF-8 beyond ASCII, so the file mixes encodings: fix the text at that "
+                f"byte, or leave out every byte that is not UTF-8 with {drop}")
+    return f"{said}; it looks like {ENCODING_NAMES[kind]}: convert it with {_convert_command(path, kind)}"
 
 
 def _text_value(value, where: str, text_field: str) -> str:
@@ -134,7 +239,10 @@ def _documents(path: Path, text_field: str, hint: str, errors: str) -> Iterator[
             raise ValueError(f"{path}: expected a list of objects with a {text_field!r} field ({hint})")
         yield from (_text_value(r[text_field], f"{path}: item {i}", text_field) for i, r in enumerate(rows))
     else:
-        yield read_text(path, errors)
+        text = read_text(path, errors)
+        if errors == "strict" and "\0" in text:  # UTF-16 without a byte-order mark reads as UTF-8
+            raise ValueError(not_utf8_message(path))
+        yield text
 
 
 def select_files(paths: list[Path], exclude: list[str] = (), exclude_key: str = "exclude") -> list[Path]:

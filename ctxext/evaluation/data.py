@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..data.pieces import tokenize_document
 from ..data.textfiles import check_data_path, find_files, inner_suffix, read_documents
 
 HINT = "choose one with --text-field"
@@ -126,10 +127,8 @@ def load_texts(data: str, *, split: str = "test", text_field: str = "text") -> T
     return Texts(texts, info)
 
 
-def tokenize_texts(tokenizer, texts: list[str]) -> list[torch.Tensor]:
-    """Token ids of each document (special tokens as the tokenizer adds them, e.g. a leading BOS)."""
-    docs = []
-    for text in texts:
-        ids = tokenizer(text, add_special_tokens=True, verbose=False)["input_ids"]
-        docs.append(torch.tensor(ids, dtype=torch.long))
-    return docs
+def tokenize_texts(tokenizer, texts: list[str], *, piece_chars: int | None = None) -> list[torch.Tensor]:
+    """Token ids of each document (special tokens as the tokenizer adds them, e.g. a leading BOS): those of tokenizing
+    it whole, found a piece of about ``piece_chars`` characters (None: ``ctxext.data.pieces.PIECE_CHARS``) at a time,
+    so memory holds one piece's encoding, not the whole text's (see :mod:`ctxext.data.pieces`)."""
+    return [tokenize_document(tokenizer, text, piece_chars) for text in texts]
