@@ -313,7 +313,7 @@ def test_an_unwritten_picture_after_overwrite_says_resume_in_its_place(tmp_path)
     from ctxext.evaluation.report import unwritten_picture
 
     plan = SimpleNamespace(output=str(tmp_path / "r.json"), overwrite=True)
-    text = unwritten_picture("--heatmap", str(tmp_path / "h"), OSError(errno.EACCES, "Permission denied"), plan)
+    text = unwritten_picture("heatmap", str(tmp_path / "h"), OSError(errno.EACCES, "Permission denied"), plan)
     assert text.startswith(f"--heatmap {tmp_path / 'h.png'}: not written (Permission denied)")
     assert "--resume in place of --overwrite" in text and "free some space" not in text
 

@@ -207,3 +207,89 @@ def test_the_command_still_names_its_flags(tmp_path, capsys):
     assert_refused([*base, "--tasks", "nosuch"], capsys, tmp_path, "--tasks: unknown task(s) 'nosuch'")
     assert_refused([*base, "--methods", "yarn", "--option", "beta_fast"], capsys, tmp_path,
                    "--option expects KEY=VALUE")
+
+
+def _refused(model="reference:llama", **settings) -> str:
+    """The message ``ctxext.evaluate`` refuses ``settings`` with (any error type), checked to name no flag."""
+    with pytest.raises((ValueError, OSError, ctxext.PatchError)) as caught:
+        ctxext.evaluate(model, **{**QUICK, **settings})
+    text = str(caught.value)
+    assert not FLAG.search(text), f"a command-line flag in {text!r}"
+    return text
+
+
+def test_a_missing_cuda_device_is_named_as_the_device_keyword(monkeypatch, no_run):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _refused(device="cuda") == "device='cuda': no CUDA device is available"
+
+
+def test_the_data_and_its_text_field_are_named_as_keywords(tmp_path, no_run):
+    rows = tmp_path / "d.jsonl"
+    rows.write_text(json.dumps({"body": "words " * 100}) + "\n")
+    assert _refused(data=str(rows)).endswith("no 'text' field (choose one with text_field)")
+    loop_a, loop_b = tmp_path / "a", tmp_path / "b"
+    loop_a.symlink_to(loop_b)
+    loop_b.symlink_to(loop_a)
+    assert _refused(data=str(loop_a)).startswith(f"data {loop_a} is a loop of symbolic links")
+
+
+def test_a_stride_past_the_default_lengths_says_give_lengths(no_run):
+    text = _refused(lengths=None, stride=100000)
+    assert text.startswith("stride: ") and text.endswith("; give lengths)")
+
+
+def test_models_evaluators_and_adapters_that_cannot_load_are_named_as_keywords(tmp_path, no_run):
+    assert _refused(model="reference:nosuch").startswith("model='reference:nosuch': unknown reference model")
+    assert _refused(evaluator="reference:nosuch", key_tokens=True).startswith(
+        "evaluator='reference:nosuch': unknown reference model")
+    reference_model("llama").save_pretrained(tmp_path / "bare")
+    assert _refused(model=str(tmp_path / "bare")).startswith(f"model={str(tmp_path / 'bare')!r} holds no tokenizer")
+    (tmp_path / "empty").mkdir()
+    assert _refused(adapter=str(tmp_path / "empty")) == (f"adapter={str(tmp_path / 'empty')!r}: not a LoRA adapter "
+                                                          "folder (no adapter_config.json)")
+
+
+def test_an_adapters_recorded_patch_is_explained_in_keywords(tmp_path, no_run):
+    """An adapter trained under yarn x2 asked to run without it (``methods="none"``), or with a stray factor."""
+    pytest.importorskip("peft")
+    from peft import LoraConfig, get_peft_model
+    from test_eval_fixtures import save_tiny_llama
+    from transformers import AutoModelForCausalLM
+
+    base = save_tiny_llama(tmp_path / "llama")
+    model = ctxext.patch(AutoModelForCausalLM.from_pretrained(base), "yarn", 2)
+    adapter = tmp_path / "adapter"
+    get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(adapter)
+    (adapter / "ctxext_patch.json").write_text(json.dumps(ctxext.describe(model)))
+    text = _refused(model=str(base), adapter=str(adapter), methods="none")
+    assert text.startswith("methods='none': 'none' would evaluate") and text.endswith("without adapter")
+    text = _refused(model=str(base), adapter=str(adapter), methods=None, factor=4)
+    assert text.startswith("factor without methods") and "(e.g. methods='yarn:2,yarn:4')" in text
+
+
+def test_key_token_contexts_are_named_as_keywords(no_run):
+    text = _refused(key_tokens=True, key_context=100000)
+    assert text.startswith("key_context=100000 is longer than the evaluator")
+    assert "give key_context=128 or less, or an evaluator trained to 100000 tokens" in text
+    assert _refused(key_tokens=True, key_context=1).endswith("give key_context of at least 2")
+
+
+def test_a_failing_chat_template_says_chat_template_false():
+    tokenizer = reference_tokenizer("llama")
+    tokenizer.chat_template = "{{ raise_exception('no') }}"
+    text = _refused(model=reference_model("llama"), tokenizer=tokenizer, tasks="niah_single_1", task_samples=1)
+    assert text.endswith("use chat_template=False")
+
+
+def test_an_unwritten_picture_from_python_says_to_call_evaluate_again(tmp_path):
+    import errno
+    from types import SimpleNamespace
+
+    from ctxext.evaluation.report import unwritten_picture
+
+    plan = SimpleNamespace(output=str(tmp_path / "r.json"), overwrite=True, command="evaluate")
+    text = unwritten_picture("plot", str(tmp_path / "p"), OSError(errno.ENOSPC, "No space left on device"), plan)
+    assert not FLAG.search(text), text
+    assert text.startswith(f"plot={str(tmp_path / 'p.png')!r}: not written (No space left on device)")
+    assert text.endswith("free some space, then call ctxext.evaluate again with the same arguments with "
+                         "resume=True in place of overwrite=True to draw it (no row is computed again)")

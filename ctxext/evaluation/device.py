@@ -7,18 +7,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .requests import FLAGS, Spelling
+
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "auto": "auto"}
 
 
-def resolve_device(device: str | None) -> str:
+def resolve_device(device: str | None, spelling: Spelling = FLAGS) -> str:
+    """``device``, or the one this machine has; ``spelling``: how messages name the argument."""
     if device is None:
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device not in DEVICES:
-        raise ValueError(f"--device must be one of {', '.join(DEVICES)}, got {device!r}")
+        raise ValueError(f"{spelling.name('device')} must be one of {', '.join(DEVICES)}, got {device!r}")
     if device in ("cuda", "auto") and not torch.cuda.is_available():
         if device == "cuda":
-            raise ValueError("--device cuda: no CUDA device is available")
+            raise ValueError(f"{spelling.given('device', device)}: no CUDA device is available")
     return device
 
 

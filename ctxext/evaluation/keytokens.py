@@ -27,6 +27,7 @@ from typing import Any, Sequence
 import torch
 
 from .device import map_over_processes
+from .requests import FLAGS, Spelling
 from .perplexity import _forward_rows, _input_device, _window_nll
 from .windows import Window, plan_windows
 
@@ -57,18 +58,20 @@ def _windows_over(n: int, length: int, stride: int, ranges: Sequence[tuple[int, 
     return [w for w in windows if any(w.first_target < hi and lo < w.end for lo, hi in ranges)]
 
 
-def key_contexts(context: int | None, short: int | None) -> tuple[int, int]:
+def key_contexts(context: int | None, short: int | None, spelling: Spelling = FLAGS) -> tuple[int, int]:
     """The (long, short) contexts key tokens are found with: ``short`` defaults to ``context // 8``. A long context
-    with no shorter one below it, or a short one not below the long, is refused with what to give instead."""
+    with no shorter one below it, or a short one not below the long, is refused with what to give instead, the
+    arguments named as ``spelling`` says."""
+    s = spelling
     if not context:
-        raise ValueError("the key-token evaluator advertises no context length; give --key-context")
+        raise ValueError(f"the key-token evaluator advertises no context length; give {s.name('key_context')}")
     if context < 2:
         raise ValueError(f"a key-token long context of {context} token leaves no shorter context to compare with; "
-                         "give --key-context of at least 2")
+                         f"give {s.name('key_context')} of at least 2")
     short = short or max(1, context // SHORT_FRACTION)
     if not 1 <= short < context:
-        raise ValueError(f"the key-token short context (--key-short {short}) must be shorter than the long context "
-                         f"{context} (--key-context, default: the evaluator's trained length)")
+        raise ValueError(f"the key-token short context ({s.given('key_short', short)}) must be shorter than the long "
+                         f"context {context} ({s.name('key_context')}, default: the evaluator's trained length)")
     return context, short
 
 
@@ -96,11 +99,12 @@ def token_nll(model, items: Sequence[tuple[int, torch.Tensor, Window]], sizes: S
 
 def key_masks(evaluator, documents: Sequence[torch.Tensor], needed: Sequence[Sequence[tuple[int, int]]], *,
               context: int, short: int | None = None, alpha: float = ALPHA, beta: float = BETA, state=None,
-              progress: bool = True) -> tuple[list[torch.Tensor], dict[str, Any]]:
+              progress: bool = True, spelling: Spelling = FLAGS) -> tuple[list[torch.Tensor], dict[str, Any]]:
     """One bool mask per document: its key tokens among the positions in ``needed`` (ranges [lo, hi) per document),
     as ``evaluator`` finds them with a long context of ``context`` tokens and a short one of ``short`` (default
-    ``context // 8``). Returns the masks and what was done (for the results JSON)."""
-    context, short = key_contexts(context, short)
+    ``context // 8``). Returns the masks and what was done (for the results JSON); ``spelling``: how messages name
+    the arguments."""
+    context, short = key_contexts(context, short, spelling)
     step = max(1, short // 4)
     sizes = [int(d.numel()) for d in documents]
     long_items, short_items = [], []

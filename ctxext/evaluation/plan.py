@@ -92,19 +92,19 @@ class EvalPlan:
 def plan_eval(request: EvalRequest) -> EvalPlan:
     """Check the files ``request`` names, the output and the methods x model family; load no model and write
     nothing. ``request.model`` None: the demo, the shipped reference models."""
-    r = request
+    r, s = request, request.spelling  # s: flags from the command, keywords from ctxext.evaluate
     model_id, evaluator = r.model, r.evaluator
     # a shipped checkpoint named as export, search and recipes name it
     if not r.holds_model and reference_name(model_id) is not None:
-        model_id = _reference_source("model", model_id)
+        model_id = _reference_source("model", model_id, s)
     if reference_name(evaluator) is not None:
-        evaluator = _reference_source("evaluator", evaluator)
+        evaluator = _reference_source("evaluator", evaluator, s)
     demo = r.demo  # the request refused a gguf_file, adapter or evaluator without a model
     # the demo measures perplexity and, on the reference trained to retrieve, passkey (issue 24): the verdict then
     # says which method still finds the key at 4x, not only which holds perplexity
     demo_passkey = demo and r.tasks is None and not r.passkey
     measures = parse_measures(r.tasks, passkey=r.passkey or demo_passkey)  # key-token settings: checked by the request
-    device = held_device(r.model) if r.holds_model else resolve_device(r.device)
+    device = held_device(r.model) if r.holds_model else resolve_device(r.device, s)
     dtype = held_dtype(r.model) if r.holds_model else (r.dtype or "float32")
     resolve_dtype(dtype if not r.holds_model else None)
     tasks = [m for m in measures if m not in (PPL, PASSKEY)]
@@ -114,28 +114,28 @@ def plan_eval(request: EvalRequest) -> EvalPlan:
         try:
             words.check_available()
         except ImportError as exc:
-            raise ValueError(f"--tasks: {exc}") from None
+            raise ValueError(f"{s.name('tasks')}: {exc}") from None
     methods = r.choice  # unknown names, bad factors, stray options: refused when the request was built
     if r.data:
-        check_data_path(r.data, "--data")  # a link loop, a path that cannot be read: one line, as search says it
+        check_data_path(r.data, s.name("data"))  # a link loop, a path that cannot be read: one line, as search says it
     for length in r.lengths or []:
         check_protocol(r.protocol, length, r.stride)  # a stride too long for a length
     output, plot, heatmap, pictures = _check_outputs(r, demo=demo, measures=measures, tasks=tasks)
     adapter_patch, trained_modules = None, []
     if not demo and not r.holds_model:
-        _check_sources(model_id, r.gguf_file, evaluator, r.adapter)
+        _check_sources(model_id, r.gguf_file, evaluator, r.adapter, s)
         if r.adapter is not None:
-            adapter_patch, trained_modules = adapter_record(r.adapter)
+            adapter_patch, trained_modules = adapter_record(r.adapter, s)
             if adapter_patch is not None:
                 _check_adapter_methods(r, methods, adapter_patch, trained_modules)
     elif r.holds_model:
         if evaluator:
-            _check_sources(None, None, evaluator, None)
+            _check_sources(None, None, evaluator, None, s)
         check_held_model(r, methods)
     if r.texts is not None:
         texts = given_texts(r.texts)
     else:
-        texts = load_texts(r.data, split=r.data_split, text_field=r.text_field) if r.data else None
+        texts = load_texts(r.data, split=r.data_split, text_field=r.text_field, spelling=s) if r.data else None
     if demo:
         jobs = demo_jobs(texts, factor=r.factor, dtype=dtype, device=device, passkey_where_trained=demo_passkey)
         texts = jobs[0].texts
@@ -156,12 +156,14 @@ def plan_eval(request: EvalRequest) -> EvalPlan:
                 try:
                     check_protocol(r.protocol, length, r.stride)
                 except ValueError as exc:
-                    raise ValueError(f"--stride: {exc} ({label}'s default lengths: "
-                                     f"{', '.join(map(str, default_lengths(original)))}; give --lengths)") from None
+                    raise ValueError(f"{s.name('stride')}: {exc} ({label}'s default lengths: "
+                                     f"{', '.join(map(str, default_lengths(original)))}; give {s.name('lengths')})"
+                                     ) from None
     if r.key_tokens:
-        check_key_tokens(originals, context=r.key_context, short=r.key_short, evaluator=evaluator, limits=limits)
+        check_key_tokens(originals, context=r.key_context, short=r.key_short, evaluator=evaluator, limits=limits,
+                         spelling=s)
         if evaluator and not demo:
-            check_evaluator_tokenizer(jobs[0].load_tokenizer(), evaluator, texts.texts)
+            check_evaluator_tokenizer(jobs[0].load_tokenizer(), evaluator, texts.texts, spelling=s)
     max_windows, max_tokens = r.max_windows, r.max_tokens
     if demo and max_windows is None and max_tokens is None:
         max_tokens = DEMO_MAX_TOKENS
@@ -180,11 +182,11 @@ def plan_eval(request: EvalRequest) -> EvalPlan:
     )
 
 
-def _reference_source(name: str, value: str) -> str:
+def _reference_source(name: str, value: str, spelling: Spelling = FLAGS) -> str:
     try:
         return model_source(value)
     except ValueError as exc:
-        raise ValueError(f"--{name} {value}: {exc}") from None
+        raise ValueError(f"{spelling.given(name, value)}: {exc}") from None
 
 
 def _check_outputs(r: EvalRequest, *, demo: bool, measures: list[str], tasks: list[str]):
@@ -242,7 +244,7 @@ def _resolved(path) -> Path:
         return Path(os.path.abspath(path))
 
 
-def adapter_record(adapter: str) -> tuple[dict[str, Any] | None, list[str]]:
+def adapter_record(adapter: str, spelling: Spelling = FLAGS) -> tuple[dict[str, Any] | None, list[str]]:
     """The patch an --adapter folder records (its ``ctxext_patch.json``; method, factor, options with their defaults
     filled in, original length), or None where it records none; and the modules it trained in full
     (``adapter_config.json``'s ``modules_to_save``, e.g. GPT-2's interpolated position table). Loads nothing."""
@@ -264,13 +266,13 @@ def adapter_record(adapter: str) -> tuple[dict[str, Any] | None, list[str]]:
             from ..loading import lost_adapter_record
 
             lost = lost_adapter_record(adapter)  # its fine-tune's files say it was trained patched: refused now
-            if lost is not None:
-                raise ValueError(f"--{lost}")
+            if lost is not None:  # "adapter DIR: ...", named as the argument is
+                raise ValueError(spelling.name("adapter") + lost.removeprefix("adapter"))
             return None, trained
         info = resolve_method(spec.method)
         options = validate_options(info, dict(spec.options or {}))
     except PatchError as exc:
-        raise PatchError(f"--adapter {adapter}: {exc}") from None
+        raise PatchError(f"{spelling.given('adapter', adapter)}: {exc}") from None
     factor = None if spec.factor is None else float(spec.factor)
     return {"method": info.name, "factor": factor, "options": options, "original_length": spec.original_length}, trained
 
@@ -281,33 +283,36 @@ def _check_adapter_methods(r: EvalRequest, methods: MethodChoice, recorded: dict
     trained values would be replaced), and no --factor / --option that nothing would use."""
     from .requests import MethodRequest, with_factor
 
+    s = r.spelling
     own = MethodRequest(recorded["method"], recorded["factor"], recorded["options"])
     name = f"{own.method}:{own.factor:g}" if own.factor is not None else own.method
-    where = f"--adapter {r.adapter} was trained with {own.label} (its {ADAPTER_RECORD})"
+    where = f"{s.given('adapter', r.adapter)} was trained with {own.label} (its {ADAPTER_RECORD})"
+    methods_ = s.name("methods")
     if r.key_tokens and not r.evaluator and trained:
-        raise ValueError(f"--key-tokens: the default evaluator is the model itself without its patch, and {where} and "
-                         f"trained {', '.join(trained)} in full under it, which taking the patch off drops; give "
-                         "--evaluator (e.g. the base model, as given to --model)")
+        raise ValueError(f"{s.name('key_tokens')}: the default evaluator is the model itself without its patch, and "
+                         f"{where} and trained {', '.join(trained)} in full under it, which taking the patch off "
+                         f"drops; give {s.name('evaluator')} (e.g. the base model, as given to {s.name('model')})")
     if methods.given is None:
-        stray = [flag for flag, given in (("--factor", r.factor is not None), ("--option", bool(r.options)))
+        stray = [s.name(arg) for arg, given in (("factor", r.factor is not None), ("options", bool(r.options)))
                  if given]
         if stray:
             other = f"{own.method}:{r.factor:g}" if r.factor is not None else own.method
-            raise ValueError(f"{' and '.join(stray)} without --methods: {where}, and without --methods it is evaluated "
-                             f"with that patch as recorded; name the patches to evaluate with --methods (e.g. "
-                             f"--methods {name},{other})")
+            raise ValueError(f"{' and '.join(stray)} without {methods_}: {where}, and without {methods_} it is "
+                             f"evaluated with that patch as recorded; name the patches to evaluate with {methods_} "
+                             f"(e.g. {s.given('methods', f'{name},{other}')})")
         return
+    asked = s.given("methods", r.methods)
     if any(q.method == NONE for q in methods.given):
-        raise ValueError(f"--methods {r.methods}: 'none' would evaluate the adapter's LoRA weights without the "
-                         f"patch they were trained with: {where}. Drop 'none': leave --methods out to evaluate the "
-                         f"adapter as trained, or list patches only (e.g. {name}); for the unpatched baseline, "
-                         "evaluate the base model without --adapter")
+        raise ValueError(f"{asked}: 'none' would evaluate the adapter's LoRA weights without the patch they were "
+                         f"trained with: {where}. Drop 'none': leave {methods_} out to evaluate the adapter as "
+                         f"trained, or list patches only (e.g. {name}); for the unpatched baseline, evaluate the base "
+                         f"model without {s.name('adapter')}")
     factor = r.factor if r.factor is not None else recorded["factor"]
     others = [q for q in with_factor(list(methods.given), factor) if not q.matches(recorded)]
     if others and trained:
-        raise ValueError(f"--methods {r.methods}: {where} and trained {', '.join(trained)} in full under it; "
+        raise ValueError(f"{asked}: {where} and trained {', '.join(trained)} in full under it; "
                          f"{', '.join(q.label for q in others)} would put untrained {', '.join(trained)} in place "
-                         f"of the trained. Evaluate it with its own patch: leave --methods out (or give {name})")
+                         f"of the trained. Evaluate it with its own patch: leave {methods_} out (or give {name})")
 
 
 def _beside(plot: str | None) -> str | None:
@@ -353,22 +358,25 @@ def _check_picture(path: str, *, data: str | None, output: str, arg: str = "plot
     return written
 
 
-def _check_sources(model: str | None, gguf_file: str | None, evaluator: str | None, adapter: str | None) -> None:
-    """The model, evaluator and adapter can be loaded from here (nothing is downloaded)."""
+def _check_sources(model: str | None, gguf_file: str | None, evaluator: str | None, adapter: str | None,
+                   spelling: Spelling = FLAGS) -> None:
+    """The model, evaluator and adapter can be loaded from here (nothing is downloaded); ``spelling``: how messages
+    name them."""
     from ..data.sources import check_source
     from ..loading import TOKENIZER_FILES, adapter_files_missing, lacks_tokenizer
 
     if model is not None:
-        check_source(model, gguf_file=gguf_file, what="--model")
+        check_source(model, gguf_file=gguf_file, what=spelling.name("model"))
     if evaluator:
-        check_source(evaluator, what="--evaluator")
+        check_source(evaluator, what=spelling.name("evaluator"))
     if model is not None and not gguf_file and lacks_tokenizer(model_source(model)):
-        raise FileNotFoundError(f"--model {model} holds no tokenizer ({', '.join(TOKENIZER_FILES[:3])}, ...; "
+        raise FileNotFoundError(f"{spelling.given('model', model)} holds no tokenizer "
+                                f"({', '.join(TOKENIZER_FILES[:3])}, ...; "
                                 "model.save_pretrained writes none): save the model's tokenizer beside it "
                                 "(tokenizer.save_pretrained(DIR))")
     missing = adapter_files_missing(adapter) if adapter is not None else None
     if missing:
-        raise FileNotFoundError(f"--adapter {adapter}: {missing}")
+        raise FileNotFoundError(f"{spelling.given('adapter', adapter)}: {missing}")
 
 
 def _model_job(r: EvalRequest, model_id: str, device: str, dtype: str, texts: Texts,

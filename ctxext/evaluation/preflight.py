@@ -9,13 +9,15 @@ from __future__ import annotations
 from ..adapters import find_adapter
 from ..core.errors import PatchError
 from .models import model_info
-from .requests import NONE, MethodChoice, MethodRequest, check_request, parse_factor, takes_factor
+from .requests import (FLAGS, NONE, MethodChoice, MethodRequest, Spelling, check_request, parse_factor,
+                       takes_factor)
 from .runner import ModelJob, default_factor, default_lengths
 
 
-def unfit_requests(skeleton, requests: list[MethodRequest], *, default_factor: float | None) -> list[str]:
+def unfit_requests(skeleton, requests: list[MethodRequest], *, default_factor: float | None,
+                   spelling: Spelling = FLAGS) -> list[str]:
     """One message per request that cannot be applied to the model (``default_factor`` stands in for requests
-    whose factor the evaluator derives from the lengths)."""
+    whose factor the evaluator derives from the lengths), the arguments named as ``spelling`` says."""
     problems = []
     for req in requests:
         if req.patch_call() is None:
@@ -23,7 +25,7 @@ def unfit_requests(skeleton, requests: list[MethodRequest], *, default_factor: f
         if req.method != NONE and req.factor is None and default_factor is not None:
             req = MethodRequest(req.method, default_factor, req.options)
         try:
-            check_request(skeleton, req)
+            check_request(skeleton, req, spelling)
         except PatchError as exc:
             problems.append(str(exc))
     return problems
@@ -68,7 +70,7 @@ def check_fit(jobs: list[ModelJob], methods: MethodChoice, lengths: list[int] | 
             parse_factor(factor, f"{job.label}: the default factor (longest length {max(job_lengths)} / the "
                          f"model's original length {original})")
         if methods.given is not None:  # the default set keeps only what fits (the runner notes the rest)
-            for problem in unfit_requests(skeleton, requests, default_factor=factor):
+            for problem in unfit_requests(skeleton, requests, default_factor=factor, spelling=methods.spelling):
                 unfit.setdefault(job.label, []).append(problem)
     if unfit and (len(jobs) == 1 or len(unfit) == len(jobs)):
         raise PatchError("; ".join(f"{label}: {p}" for label, problems in unfit.items() for p in problems))
@@ -76,11 +78,12 @@ def check_fit(jobs: list[ModelJob], methods: MethodChoice, lengths: list[int] | 
 
 
 def check_key_tokens(originals: dict[str, int | None], *, context: int | None, short: int | None,
-                     evaluator: str | None, limits: dict[str, tuple[int, str]] | None = None) -> None:
+                     evaluator: str | None, limits: dict[str, tuple[int, str]] | None = None,
+                     spelling: Spelling = FLAGS) -> None:
     """--key-context / --key-short against the evaluator's trained length (the model's own, unpatched, or
     ``evaluator``'s read from its skeleton), so that a short context that is not shorter, or a long one past what the
     evaluator can read (``limits``: :func:`context_limit` of each model, from :func:`check_fit`), is refused before
-    any weights load."""
+    any weights load. ``spelling``: how messages name the arguments."""
     from ..loading import model_skeleton
     from .keytokens import key_contexts
 
@@ -91,18 +94,19 @@ def check_key_tokens(originals: dict[str, int | None], *, context: int | None, s
         originals = {evaluator: original}
         found = context_limit(skeleton, original, saved=_saved_length(evaluator))
         limits = {evaluator: found} if found is not None else {}
+    s = spelling
     for label, original in originals.items():
         try:
-            key_contexts(context or original, short)
+            key_contexts(context or original, short, s)
         except ValueError as exc:
-            raise ValueError(f"--key-tokens: {label}: {exc}") from None
+            raise ValueError(f"{s.name('key_tokens')}: {label}: {exc}") from None
         limit, why = limits.get(label, (None, ""))
         if context and limit is not None and context > limit:
             who = f"the evaluator {label}" if evaluator is not None else f"the evaluator (the model itself, {label})"
-            raise ValueError(f"--key-context {context} is longer than {who} learned to read: {why}. Past that its "
-                             f"long-context predictions are not ones it learned, so the key tokens it would find mean "
-                             f"nothing; give --key-context {limit} or less, or an --evaluator trained to "
-                             f"{context} tokens")
+            raise ValueError(f"{s.given('key_context', context)} is longer than {who} learned to read: {why}. Past "
+                             f"that its long-context predictions are not ones it learned, so the key tokens it would "
+                             f"find mean nothing; give {s.given('key_context', limit)} or less, or an "
+                             f"{s.name('evaluator')} trained to {context} tokens")
 
 
 def context_limit(skeleton, original: int | None, *, saved: int | None = None) -> tuple[int, str] | None:
@@ -134,7 +138,7 @@ def _saved_length(source: str) -> int | None:
     return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
 
 
-def check_evaluator_tokenizer(model_tokenizer, evaluator: str, texts: list[str]) -> None:
+def check_evaluator_tokenizer(model_tokenizer, evaluator: str, texts: list[str], spelling: Spelling = FLAGS) -> None:
     """Key tokens are compared token by token, so ``--evaluator`` must split the text as the model does: checked on
     the start of each text before any weights load (the runner checks every token once they are loaded)."""
     from .models import load_tokenizer
@@ -143,8 +147,9 @@ def check_evaluator_tokenizer(model_tokenizer, evaluator: str, texts: list[str])
     ours, theirs = model_tokenizer, load_tokenizer(evaluator)
     if [ours(t, add_special_tokens=False)["input_ids"] for t in sample] != \
             [theirs(t, add_special_tokens=False)["input_ids"] for t in sample]:
-        raise ValueError(f"--evaluator {evaluator}: its tokenizer splits the text differently from the model's; key "
-                         "tokens are compared token by token, so the evaluator must share the tokenizer")
+        raise ValueError(f"{spelling.given('evaluator', evaluator)}: its tokenizer splits the text differently from "
+                         "the model's; key tokens are compared token by token, so the evaluator must share the "
+                         "tokenizer")
 
 
 #: How much of the data the evaluator's tokenizer is compared on before the weights load.

@@ -138,25 +138,28 @@ def write_pictures(plan, rows: list[dict[str, Any]], models: list[dict[str, Any]
     ``--resume`` draws it from them); the next picture is still drawn."""
     pictures = []
     if plan.plot and any(r.get("kind", "ppl") == "ppl" and r.get("ppl") for r in rows):
-        pictures.append(("plot", "--plot", plan.plot, lambda tmp: plot(rows, models, tmp, title=plot_title(document))))
+        pictures.append(("plot", "plot", plan.plot, lambda tmp: plot(rows, models, tmp, title=plot_title(document))))
     if plan.heatmap and needle_depths(rows):
-        pictures.append(("needle heatmap", "--heatmap", plan.heatmap, lambda tmp: needle_heatmap(rows, models, tmp)))
-    for what, flag, target, draw in pictures:
+        pictures.append(("needle heatmap", "heatmap", plan.heatmap, lambda tmp: needle_heatmap(rows, models, tmp)))
+    for what, arg, target, draw in pictures:
         try:
             yield what, _replace(target, draw), None
         except OSError as exc:
-            yield what, str(picture_file(Path(target))), unwritten_picture(flag, target, exc, plan)
+            yield what, str(picture_file(Path(target))), unwritten_picture(arg, target, exc, plan)
 
 
-def unwritten_picture(flag: str, target: str, exc: OSError, plan) -> str:
-    """What to say where a picture could not be written: its file, why, and that ``--resume`` draws it."""
+def unwritten_picture(arg: str, target: str, exc: OSError, plan) -> str:
+    """What to say where a picture could not be written: its file, why, and that a resume draws it. ``arg``: the
+    argument that gave it (``plot``, ``heatmap``), named as the plan's command names it."""
+    from .request import spelling_for
     from .results import jsonl_path
 
+    s = spelling_for(getattr(plan, "command", "eval"))  # a plan-like object without one: the command's flags
     why = exc.strerror or str(exc) or type(exc).__name__
     space = "free some space, then " if exc.errno == errno.ENOSPC else ""
-    resume = "with --resume in place of --overwrite" if plan.overwrite else "with --resume"
-    return (f"{flag} {picture_file(Path(target))}: not written ({why}); the results are kept in {plan.output} "
-            f"(rows: {jsonl_path(plan.output)}): {space}run the same command again {resume} to draw it (no row is "
+    resume = f"with {s.on('resume')} in place of {s.on('overwrite')}" if plan.overwrite else f"with {s.on('resume')}"
+    return (f"{s.given(arg, str(picture_file(Path(target))))}: not written ({why}); the results are kept in "
+            f"{plan.output} (rows: {jsonl_path(plan.output)}): {space}{s.again()} {resume} to draw it (no row is "
             "computed again)")
 
 

@@ -269,8 +269,9 @@ class MethodChoice:
                              spelling=self.spelling)
 
 
-def check_request(model, request: MethodRequest) -> None:
-    """Raise PatchError if ``request`` cannot be applied to (the unpatched) ``model``; touches nothing."""
+def check_request(model, request: MethodRequest, spelling: Spelling = FLAGS) -> None:
+    """Raise PatchError if ``request`` cannot be applied to (the unpatched) ``model``; touches nothing. ``spelling``:
+    how the message names ``factor``."""
     call = request.patch_call()
     if call is None:
         return
@@ -278,5 +279,6 @@ def check_request(model, request: MethodRequest) -> None:
 
     method, factor, options = call
     if factor is None and METHODS[method].needs_factor:
-        raise PatchError(f"method {method!r} needs a factor: give --factor N or {method}:N")
+        factor_n = f"{spelling.name('factor')} N" if spelling.flags else "factor=N"
+        raise PatchError(f"method {method!r} needs a factor: give {factor_n} or {method}:N")
     build_spec(model, method, factor, **options)

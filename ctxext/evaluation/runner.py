@@ -19,6 +19,7 @@ from .passkey import DEFAULT_DEPTHS, passkey_accuracy, passkey_prompt_check
 from .keytokens import key_masks, needed_ranges
 from .perplexity import plan_documents, score_documents
 from .progress import RowProgress, progress_line
+from .request import spelling_for
 from .requests import ADAPTER_SUFFIX, MethodChoice, MethodRequest, check_request
 from .results import ResultStore, row_key
 from .tasks import Encoder, check_length, task_accuracy
@@ -126,6 +127,7 @@ class Runner:
         self.store = store
         self.state = state
         self.command = command
+        self.spelling = spelling_for(command)  # how messages name the arguments: flags, or evaluate's keywords
         self.outcome = Outcome()
         self.main = state is None or state.is_main_process
         self._masks = None  # the current model's key tokens (one bool mask per document), when asked for
@@ -147,7 +149,8 @@ class Runner:
             return list(self.settings.lengths)
         original = info.get("original_length")
         if not original:
-            raise ValueError(f"{info['label']}: the model advertises no context length; give --lengths")
+            raise ValueError(f"{info['label']}: the model advertises no context length; "
+                             f"give {self.spelling.name('lengths')}")
         return default_lengths(original)
 
     def _requests(self, job: ModelJob, model, info: dict[str, Any], lengths: list[int]) -> list[MethodRequest]:
@@ -224,7 +227,7 @@ class Runner:
             if not req.matches(loaded):  # the loaded patch fits as it is; any other is checked on the plain model
                 self._unpatched(model)
                 try:
-                    check_request(model, req)
+                    check_request(model, req, self.spelling)
                 except PatchError as exc:
                     if s.methods.given is None:  # the default set: a method that fits the family but not these settings
                         self.log(f"{job.label}: {req.label} skipped: {exc}")
@@ -327,14 +330,16 @@ class Runner:
         else:
             evaluator, ev_tokenizer, label = job.load_evaluator(self.state)
             if [d.tolist() for d in tokenize_texts(ev_tokenizer, job.texts.texts)] != [d.tolist() for d in docs]:
-                raise ValueError(f"--evaluator {label}: its tokenizer splits the text differently from the model's; "
-                                 "key tokens are compared token by token, so the evaluator must share the tokenizer")
+                raise ValueError(f"{self.spelling.given('evaluator', label)}: its tokenizer splits the text "
+                                 "differently from the model's; key tokens are compared token by token, so the "
+                                 "evaluator must share the tokenizer")
             context = model_info(evaluator, label, label=label).get("original_length")
         context = s.key_context or context
         if not context:
-            raise ValueError(f"{job.label}: the key-token evaluator advertises no context length; give --key-context")
+            raise ValueError(f"{job.label}: the key-token evaluator advertises no context length; "
+                             f"give {self.spelling.name('key_context')}")
         masks, found = key_masks(evaluator, docs, needed_ranges(plans, len(docs)), context=context, short=s.key_short,
-                                 state=self.state, progress=s.progress)
+                                 state=self.state, progress=s.progress, spelling=self.spelling)
         found["evaluator"] = label
         info["key_tokens"] = found
         share = found["key_tokens"] / found["positions"] if found["positions"] else 0.0
@@ -359,7 +364,7 @@ class Runner:
 
     def _task_sources(self, job: ModelJob, tokenizer):
         """The tokenizer's haystacks: prose from the job's texts, RULER's noise sentence."""
-        return task_sources(Encoder(tokenizer, chat_template=self.settings.chat_template), job.texts.texts)
+        return task_sources(Encoder(tokenizer, chat_template=self.settings.chat_template, spelling=self.spelling), job.texts.texts)
 
     def _score(self, kind: str, model, tokenizer, docs, length: int, sources=None) -> dict[str, Any]:
         s = self.settings

@@ -10,28 +10,32 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..requests import FLAGS, Spelling
+
 _MARK = "\u2063CTXEXT-CONTEXT\u2063"
 _CACHED_CHARS = 2000
 
 
 class Encoder:
-    """Token ids of text pieces for one tokenizer, with or without its chat template."""
+    """Token ids of text pieces for one tokenizer, with or without its chat template; ``spelling``: how a message
+    says to turn the template off (``--no-chat-template`` / ``chat_template=False``)."""
 
-    def __init__(self, tokenizer, *, chat_template: bool = True):
+    def __init__(self, tokenizer, *, chat_template: bool = True, spelling: Spelling = FLAGS):
         self.tokenizer = tokenizer
         self._cache: dict[str, tuple[int, ...]] = {}
         template = getattr(tokenizer, "chat_template", None)
         self.chat = bool(chat_template and template)
+        off = "--no-chat-template" if spelling.flags else "chat_template=False"
         if self.chat:
             try:
                 rendered = tokenizer.apply_chat_template([{"role": "user", "content": _MARK}], tokenize=False,
                                                          add_generation_prompt=True)
             except Exception as exc:  # noqa: BLE001 - a template may raise anything (raise_exception, a bad filter)
                 raise ValueError(f"the tokenizer's chat template fails on a single user message ({type(exc).__name__}: "
-                                 f"{exc}); use --no-chat-template") from None
+                                 f"{exc}); use {off}") from None
             if rendered.count(_MARK) != 1:
                 raise ValueError("the tokenizer's chat template does not keep the user's message as given; "
-                                 "use --no-chat-template")
+                                 f"use {off}")
             self.chat_open, self.chat_close = rendered.split(_MARK)
             self.special_head: list[int] = []
         else:
