@@ -55,6 +55,42 @@ def _assert_given_back(model, before):
     assert _leftovers(model) == []
 
 
+def _overlapping(model, first, second, *, inside=lambda: True, wait: float = 60.0) -> dict:
+    """Run ``first()`` in thread "first" and ``second()`` in thread "second", overlapping: the first waits in its
+    first forward pass of layer 0 (one where ``inside()`` holds) until the second has returned, or ``wait`` s.
+    {"first": result or exception, "second": ..., "overlapped": whether the first got inside}."""
+    entered, done = threading.Event(), threading.Event()
+    outcome: dict[str, object] = {}
+
+    def hold(module, args):
+        if threading.current_thread().name == "first" and not entered.is_set() and inside():
+            entered.set()
+            done.wait(timeout=wait)
+
+    def run(name, call):
+        if name == "second":
+            entered.wait(timeout=60)
+        try:
+            outcome[name] = call()
+        except Exception as exc:  # noqa: BLE001 - the caller asserts on it
+            outcome[name] = exc
+        finally:
+            if name == "second":
+                done.set()
+
+    handle = model.model.layers[0].register_forward_pre_hook(hold)
+    threads = [threading.Thread(target=run, args=(n, c), name=n) for n, c in (("first", first), ("second", second))]
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        handle.remove()
+    outcome["overlapped"] = entered.is_set()
+    return outcome
+
+
 # -- 3. two threads on one model object ------------------------------------------------------------------------------
 
 
@@ -63,39 +99,9 @@ def test_a_second_evaluate_of_one_model_object_in_another_thread_is_refused():
     settings = dict(methods="none,self-extend", lengths=[128], max_tokens=128, progress=False)
     alone = ctxext.evaluate(copy.deepcopy(model), tokenizer=tok, **settings)
     before = _state(model)
-    first_inside, second_done = threading.Event(), threading.Event()
-    outcome: dict[str, object] = {}
-
-    def hold_the_first(module, args):  # the first call waits in its first forward pass until the second has run
-        if threading.current_thread().name == "first" and not first_inside.is_set():
-            first_inside.set()
-            second_done.wait(timeout=60)
-
-    def first():
-        try:
-            outcome["first"] = ctxext.evaluate(model, tokenizer=tok, **settings)
-        except Exception as exc:  # noqa: BLE001 - asserted below
-            outcome["first"] = exc
-
-    def second():
-        first_inside.wait(timeout=60)
-        try:
-            outcome["second"] = ctxext.evaluate(model, tokenizer=tok, **settings)
-        except Exception as exc:  # noqa: BLE001 - asserted below
-            outcome["second"] = exc
-        finally:
-            second_done.set()
-
-    handle = model.model.layers[0].register_forward_pre_hook(hold_the_first)
-    threads = [threading.Thread(target=first, name="first"), threading.Thread(target=second, name="second")]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-    finally:
-        handle.remove()
-    assert first_inside.is_set()  # the calls overlapped
+    outcome = _overlapping(model, lambda: ctxext.evaluate(model, tokenizer=tok, **settings),
+                           lambda: ctxext.evaluate(model, tokenizer=tok, **settings))
+    assert outcome["overlapped"]  # the calls overlapped
     refused = outcome["second"]
     assert isinstance(refused, ValueError), refused
     assert "being evaluated by another ctxext.evaluate call (thread 'first')" in str(refused)
@@ -135,41 +141,12 @@ def test_a_patch_in_another_thread_waits_for_the_rotation_probe():
     ctxext.patch(reference, "self-extend", 2)
     expected = _logits(reference)
     before = _state(model)
-    probing, patched = threading.Event(), threading.Event()
-    outcome: dict[str, object] = {}
-
-    def hold_the_probe(module, args):  # the check's probe waits (at most a second) for the patch to finish
-        if threading.current_thread().name == "checker" and model.config._attn_implementation == PROBE \
-                and not probing.is_set():
-            probing.set()
-            patched.wait(timeout=1)
-
-    def check():
-        try:
-            outcome["check"] = api.build_spec(model, "self-extend", 2)
-        except Exception as exc:  # noqa: BLE001 - asserted below
-            outcome["check"] = exc
-
-    def patch():
-        probing.wait(timeout=60)
-        try:
-            outcome["patch"] = ctxext.patch(model, "self-extend", 2)
-        except Exception as exc:  # noqa: BLE001 - asserted below
-            outcome["patch"] = exc
-        finally:
-            patched.set()
-
-    handle = model.model.layers[0].register_forward_pre_hook(hold_the_probe)
-    threads = [threading.Thread(target=check, name="checker"), threading.Thread(target=patch, name="patcher")]
-    try:
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(timeout=120)
-    finally:
-        handle.remove()
-    assert probing.is_set()
-    assert outcome["patch"] is model and not isinstance(outcome["check"], Exception), outcome
+    # the check's probe waits (at most a second) in its first forward pass for the patch to finish
+    outcome = _overlapping(model, lambda: api.build_spec(model, "self-extend", 2),
+                           lambda: ctxext.patch(model, "self-extend", 2),
+                           inside=lambda: model.config._attn_implementation == PROBE, wait=1)
+    assert outcome["overlapped"]
+    assert outcome["second"] is model and not isinstance(outcome["first"], Exception), outcome
     assert ctxext.describe(model)["method"] == "self-extend"
     assert model.config._attn_implementation == "ctxext_remap"
     assert torch.equal(_logits(model), expected)  # the patch as a patch alone makes it
